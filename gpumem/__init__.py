@@ -1,0 +1,30 @@
+"""gpumem: a caching GPU memory allocator with a Cython core.
+
+>>> import gpumem
+>>> mm = gpumem.MemoryManager("sim:0")
+>>> buf = mm.malloc(1 << 20)
+>>> buf.free()
+"""
+from gpumem._core.buffer import Buffer
+from gpumem._core.pool import CachingPool
+from gpumem.backends import devices
+from gpumem.config import MemoryConfig
+from gpumem.errors import (BackendUnavailableError, ClosedManagerError, DoubleFreeError,
+                           DriverError, DriverOutOfMemory, ForeignBufferError, GpuMemoryError,
+                           InvalidDeviceError, InvalidInputError, OutOfMemoryError,
+                           TraceFormatError)
+from gpumem.fallback import FallbackBuffer
+from gpumem.manager import MemoryManager
+from gpumem.pressure import MemoryPressure
+from gpumem.stats import MemoryStats
+from gpumem.units import format_bytes, parse_size
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Buffer", "CachingPool", "MemoryManager", "MemoryConfig", "MemoryStats", "MemoryPressure",
+    "FallbackBuffer", "devices", "format_bytes", "parse_size",
+    "GpuMemoryError", "OutOfMemoryError", "InvalidInputError", "InvalidDeviceError",
+    "DoubleFreeError", "ForeignBufferError", "ClosedManagerError", "BackendUnavailableError",
+    "DriverError", "DriverOutOfMemory", "TraceFormatError",
+]

@@ -1,0 +1,317 @@
+# cython: language_level=3, boundscheck=False, wraparound=False
+# distutils: language = c++
+"""Buffers and the thin malloc/free that makes them.
+
+`ManagerCore` is the base class of `gpumem.MemoryManager`: its `malloc`/`free` are the whole
+Python-level hot path (argument checks, one gm_alloc/gm_free, one Buffer built without
+`__init__`). Everything rare (a miss, an error, tracking hooks) calls back into Python methods the
+subclass defines: `_malloc_slow`, `_on_alloc`, `_on_free`, `_trim_cache`, `_free_other`.
+"""
+cimport cython
+from libc.stdint cimport uint64_t
+from cpython.long cimport PyLong_AsLongLong
+
+from gpumem._core.pool cimport (CachingPool, gm_pool, gm_block, gm_alloc, gm_free,
+                                GM_OK, GM_MISS, GM_UNKNOWN_STREAM, GM_BAD_BLOCK)
+
+import operator
+import warnings
+
+from gpumem.errors import (ClosedManagerError, DoubleFreeError, ForeignBufferError,
+                           InvalidInputError)
+
+cdef long long _SIZE_TOO_BIG = 1LL << 62
+
+
+cdef long long _size_arg(object nbytes) except -1:
+    """nbytes as a C integer: TypeError for non-integers and bools, InvalidInputError for
+    negatives; values too large for C become _SIZE_TOO_BIG (an out-of-memory, not a crash)."""
+    cdef long long n
+    if type(nbytes) is not int:
+        if isinstance(nbytes, bool) or not hasattr(nbytes, "__index__"):
+            raise TypeError(f"nbytes must be an int, got {type(nbytes).__name__} {nbytes!r}")
+        nbytes = operator.index(nbytes)
+    if nbytes < 0:
+        raise InvalidInputError(f"nbytes must be >= 0, got {nbytes}")
+    if nbytes >= _SIZE_TOO_BIG:
+        return _SIZE_TOO_BIG
+    return PyLong_AsLongLong(nbytes)
+
+
+@cython.final
+cdef class Buffer:
+    """A block of device memory. Returned to its pool by `free()`, on leaving a `with` block,
+    or when garbage-collected. `ptr` is the device address (synthetic on OpenCL: use `native`
+    for the sub-buffer)."""
+
+    cdef readonly size_t ptr
+    cdef readonly size_t nbytes
+    cdef readonly uint64_t id
+    cdef readonly object tag
+    cdef uint64_t _stream
+    cdef gm_block* _block
+    cdef ManagerCore _owner
+    cdef object __weakref__
+
+    def __init__(self, *args, **kwargs):
+        raise TypeError("Buffers come from MemoryManager.malloc(); they cannot be built directly")
+
+    @property
+    def stream(self) -> int:
+        return self._stream
+
+    @property
+    def device(self) -> str:
+        return self._owner.device_string
+
+    @property
+    def location(self) -> str:
+        """"cpu" for host memory, else "device"."""
+        return "cpu" if self._owner.device_string == "cpu" else "device"
+
+    @property
+    def alive(self) -> bool:
+        """False once the buffer has been freed (or its manager closed)."""
+        return self._block != NULL and not self._owner._closed
+
+    @property
+    def manager(self):
+        return self._owner
+
+    def free(self) -> None:
+        """Return the block to its pool. Freeing twice raises DoubleFreeError."""
+        self._owner._release(self)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self._block != NULL and not self._owner._closed:
+            self._owner._release(self)
+        return False
+
+    def __del__(self):
+        # RAII: a buffer dropped without free() goes back to the pool. Never raises.
+        if self._block == NULL or self._owner is None or self._owner._closed:
+            return
+        try:
+            self._owner._release(self)
+        except Exception as exc:  # the interpreter may be shutting down
+            warnings.warn(f"gpumem: could not return buffer {self.id} to its pool: {exc}",
+                          ResourceWarning)
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+    def __repr__(self) -> str:
+        state = "" if self.alive else ", freed"
+        tag = "" if self.tag is None else f", tag={self.tag!r}"
+        return (f"<gpumem.Buffer id={self.id} {self.nbytes} B at {self.ptr:#x} on "
+                f"{self._owner.device_string}, stream {self._stream}{tag}{state}>")
+
+    # --- where the bytes are, for the backend ------------------------------------------------
+    def segment_location(self) -> tuple:
+        """``(segment handle, offset)`` for backend calls; raises if the buffer is freed."""
+        if not self.alive:
+            raise InvalidInputError(f"buffer {self.id} has been freed")
+        return self._block.segment.handle, self._block.offset
+
+    @property
+    def native(self):
+        """The backend's own object for these bytes: the address for cuda/cpu/sim, a
+        pyopencl sub-buffer for OpenCL (None for a zero-length buffer there)."""
+        handle, offset = self.segment_location()
+        return self._owner.device.resolve(handle, offset, self.nbytes)
+
+    def copy_from_host(self, src) -> None:
+        """Copy a bytes-like object (at most nbytes long) into the buffer; synchronous."""
+        view = memoryview(src).cast("B")
+        if len(view) > self.nbytes:
+            raise InvalidInputError(f"source has {len(view)} bytes but the buffer holds "
+                                    f"{self.nbytes}")
+        handle, offset = self.segment_location()
+        self._owner.device.copy_from_host(handle, offset, view, self._stream)
+
+    def copy_to_host(self, out=None):
+        """The buffer's bytes as a numpy uint8 array (or into `out`); synchronous."""
+        import numpy as np
+        if out is None:
+            out = np.empty(self.nbytes, dtype=np.uint8)
+        view = memoryview(out).cast("B")
+        if len(view) > self.nbytes:
+            raise InvalidInputError(f"destination has {len(view)} bytes but the buffer holds "
+                                    f"{self.nbytes}")
+        handle, offset = self.segment_location()
+        self._owner.device.copy_to_host(handle, offset, view, self._stream)
+        return out
+
+    def memset(self, int value) -> None:
+        """Fill the buffer with one byte value (0..255)."""
+        if not 0 <= value <= 255:
+            raise InvalidInputError(f"memset value must be a byte (0..255), got {value}")
+        handle, offset = self.segment_location()
+        self._owner.device.memset(handle, offset, value, self.nbytes, self._stream)
+
+    @property
+    def __cuda_array_interface__(self) -> dict:
+        if self._owner.device.backend != "cuda":
+            raise AttributeError("__cuda_array_interface__ is only offered by CUDA buffers")
+        self.segment_location()
+        return {"shape": (self.nbytes,), "typestr": "|u1", "data": (self.ptr, False),
+                "strides": None, "version": 3,
+                "stream": self._stream if self._stream else None}
+
+    @property
+    def __array_interface__(self) -> dict:
+        if self._owner.device.backend != "cpu":
+            raise AttributeError("__array_interface__ is only offered by host (cpu) buffers")
+        self.segment_location()
+        return {"shape": (self.nbytes,), "typestr": "|u1", "data": (self.ptr, False),
+                "strides": None, "version": 3}
+
+
+cdef class ManagerCore:
+    """malloc/free over a CachingPool; subclassed by gpumem.MemoryManager."""
+
+    cdef readonly CachingPool pool
+    cdef gm_pool* _p
+    cdef readonly object device
+    cdef readonly str device_string
+    cdef readonly bint _closed
+    cdef public bint _hooks              # tracking or history on: call _on_alloc/_on_free
+    cdef size_t _max_request             # above this a request fails at once, no driver call
+    cdef size_t _cache_limit             # cached bytes above this call _trim_cache()
+
+    def _core_init(self, CachingPool pool, device, str device_string) -> None:
+        self.pool = pool
+        self._p = pool._p
+        self.device = device
+        self.device_string = device_string
+        self._max_request = <size_t>-1
+        self._cache_limit = <size_t>-1
+
+    def _set_limits(self, max_request, cache_limit) -> None:
+        """max_request: largest servable request; cache_limit: cached bytes kept (None: any)."""
+        self._max_request = <size_t>-1 if max_request is None else <size_t>max_request
+        self._cache_limit = <size_t>-1 if cache_limit is None else <size_t>cache_limit
+
+    def _mark_closed(self) -> None:
+        self._closed = True
+
+    def malloc(self, nbytes, *, stream=None, tag=None) -> Buffer:
+        """A buffer of at least nbytes on this manager's device (stream: int or an object with
+        a `handle`). Raises OutOfMemoryError when neither the device nor a fallback can serve."""
+        cdef long long n
+        cdef uint64_t s
+        cdef gm_block* b
+        cdef int rc
+        if type(nbytes) is int and 0 <= nbytes < _SIZE_TOO_BIG:
+            n = nbytes
+        else:
+            n = _size_arg(nbytes)
+        if stream is None:
+            s = 0
+        else:
+            s = self._stream_handle(stream)
+        if self._closed:
+            raise ClosedManagerError(f"the manager for {self.device_string} is closed")
+        if <size_t>n > self._max_request:
+            return self._malloc_slow(n, s, tag)
+        rc = gm_alloc(self._p, <size_t>n, s, &b)
+        if rc != GM_OK:
+            return self._malloc_slow(n, s, tag)
+        return self._wrap(b, <size_t>n, s, tag)
+
+    def free(self, buffer) -> None:
+        """Return a buffer to the pool (DoubleFreeError, ForeignBufferError on misuse)."""
+        if type(buffer) is Buffer:
+            self._release(<Buffer>buffer)
+        else:
+            self._free_other(buffer)
+
+    cdef Buffer _wrap(self, gm_block* b, size_t n, uint64_t s, object tag):
+        cdef Buffer buf = Buffer.__new__(Buffer)
+        buf._block = b
+        buf.id = b.serial
+        buf.ptr = b.segment.base + b.offset
+        buf.nbytes = n
+        buf._stream = s
+        buf.tag = tag
+        buf._owner = self
+        if self._hooks:
+            self._on_alloc(buf)
+        return buf
+
+    cdef int _release(self, Buffer buf) except -1:
+        cdef int rc
+        if buf._owner is not self:
+            raise ForeignBufferError(f"buffer {buf.id} belongs to {buf._owner.device_string} "
+                                     f"manager {id(buf._owner):#x}, not this one")
+        if self._closed:
+            raise ClosedManagerError(f"cannot free buffer {buf.id}: the manager for "
+                                     f"{self.device_string} is closed")
+        if buf._block == NULL:
+            raise DoubleFreeError(f"buffer {buf.id} ({buf.nbytes} B) was already freed")
+        rc = gm_free(self._p, buf._block, buf.id)
+        if rc != GM_OK:
+            raise DoubleFreeError(f"buffer {buf.id} is not live in this pool")
+        buf._block = NULL
+        if self._hooks:
+            self._on_free(buf)
+        if (self._p.stats.reserved_bytes.load() - self._p.stats.in_use_bytes.load()
+                > self._cache_limit):
+            self._trim_cache()
+        return 0
+
+    def _stream_handle(self, stream) -> int:
+        """The integer handle of a stream argument; registers new streams after validation."""
+        if type(stream) is int and stream >= 0:
+            return stream
+        if isinstance(stream, bool):
+            raise TypeError("stream must be an int handle or a stream object, not a bool")
+        handle = getattr(stream, "handle", stream)
+        try:
+            handle = operator.index(handle)
+        except TypeError:
+            raise TypeError(f"stream must be None, an int handle or an object with an int "
+                            f"`handle`, got {type(stream).__name__}") from None
+        if handle < 0:
+            raise InvalidInputError(f"stream handle must be >= 0, got {handle}")
+        return handle
+
+    # --- used by MemoryManager's slow paths ---------------------------------------------------
+    def _alloc_in_new_segment(self, uint64_t handle, size_t base, size_t seg_size,
+                              size_t nbytes, uint64_t stream, tag) -> Buffer:
+        cdef gm_block* b
+        self.pool.add_segment_and_alloc(handle, base, seg_size, nbytes, stream, &b)
+        return self._wrap(b, nbytes, stream, tag)
+
+    def _alloc_cached(self, size_t nbytes, uint64_t stream, tag):
+        """A retry of the cache only; None on a miss."""
+        cdef gm_block* b
+        if gm_alloc(self._p, nbytes, stream, &b) != GM_OK:
+            return None
+        return self._wrap(b, nbytes, stream, tag)
+
+    def _alloc_from_donor(self, size_t nbytes, uint64_t stream, uint64_t donor, tag):
+        """A block cached by an idle stream `donor`, lent to `stream`; None if none fits."""
+        cdef gm_block* b
+        if self.pool.alloc_from_donor(nbytes, stream, donor, &b) != GM_OK:
+            return None
+        return self._wrap(b, nbytes, stream, tag)
+
+    # defaults, overridden by MemoryManager
+    def _malloc_slow(self, nbytes, stream, tag):
+        raise NotImplementedError("ManagerCore is abstract: use gpumem.MemoryManager")
+
+    def _on_alloc(self, buf) -> None:
+        pass
+
+    def _on_free(self, buf) -> None:
+        pass
+
+    def _trim_cache(self) -> None:
+        pass
+
+    def _free_other(self, buffer) -> None:
+        raise TypeError(f"free() takes a gpumem Buffer, got {type(buffer).__name__}")

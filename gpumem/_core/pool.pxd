@@ -1,0 +1,109 @@
+# cython: language_level=3
+# Public C-level interface of the caching pool: structures and signatures only.
+# Downstream Cython code may `from gpumem._core.pool cimport ...` and call gm_alloc/gm_free
+# on `CachingPool._p` without the GIL (see tests/test_cython_api.py).
+from libc.stdint cimport uint64_t, int64_t
+from libcpp.atomic cimport atomic
+
+cdef enum:
+    GM_SLI = 5                       # log2 of the second-level subdivisions (32 per octave)
+    GM_NCLASSES = 1920               # (64 - GM_SLI) * 32 + 32, rounded up to whole 64-bit words
+    GM_NWORDS = 30                   # GM_NCLASSES / 64
+
+# Return codes of gm_alloc / gm_free.
+cdef enum:
+    GM_OK = 0
+    GM_MISS = 1                      # no cached block fits: the caller must add a segment
+    GM_UNKNOWN_STREAM = 2            # the stream was never registered with this pool
+    GM_BAD_BLOCK = 3                 # gm_free of a block that is not live (double free)
+
+ctypedef struct gm_segment
+
+ctypedef struct gm_block:
+    gm_segment* segment
+    size_t offset                    # from the segment base
+    size_t size                      # bytes this block spans (rounded)
+    size_t requested                 # bytes the user asked for (live blocks)
+    uint64_t stream                  # allocating stream; when free, the stream whose heap holds it
+    uint64_t serial                  # nonzero while live; identifies the allocation
+    gm_block* prev                   # address-order neighbours inside the segment
+    gm_block* next
+    gm_block* free_prev              # links in a size-class list (free blocks only)
+    gm_block* free_next
+    int heap_index                   # index into gm_pool.heaps while free, -1 while live
+    int size_class
+
+ctypedef struct gm_segment:
+    uint64_t handle                  # backend's name for the raw allocation
+    size_t base                      # address of byte 0 (synthetic for OpenCL)
+    size_t size
+    int is_small                     # 1: the small pool (<= small_size requests)
+    size_t live_blocks
+    uint64_t stream                  # stream that caused its creation (informational)
+    gm_block* first
+    gm_segment* prev                 # all segments of the pool, newest first
+    gm_segment* next
+
+ctypedef struct gm_heap:             # free blocks of one (stream, small|large) pair
+    uint64_t stream
+    uint64_t top                     # bit w set when words[w] != 0
+    uint64_t words[GM_NWORDS]
+    gm_block* heads[GM_NCLASSES]
+    size_t free_bytes
+    size_t free_blocks
+
+ctypedef struct gm_config:
+    size_t granularity               # every block size is a multiple of this (power of two)
+    size_t small_size                # requests up to this go to the small pool
+    size_t small_segment             # segment size of the small pool
+    size_t large_segment             # segment size for large requests below large_threshold
+    size_t large_threshold
+    size_t large_round               # bigger requests get their own segment, rounded to this
+    size_t max_split_size            # cached blocks at least this big are not split for smaller requests
+    size_t large_split_min           # a large block is split only if the remainder is at least this
+    size_t oversize_slack            # an unsplittable block may exceed the request by this much
+
+ctypedef struct gm_stats:
+    atomic[size_t] reserved_bytes    # held from the device, in segments
+    atomic[size_t] in_use_bytes      # in live blocks (rounded sizes)
+    atomic[size_t] requested_bytes   # what users asked for, live blocks
+    atomic[size_t] peak_in_use_bytes
+    atomic[size_t] peak_reserved_bytes
+    atomic[size_t] active_blocks
+    atomic[size_t] num_segments
+    atomic[size_t] num_allocs
+    atomic[size_t] num_frees
+    atomic[size_t] hits
+    atomic[size_t] misses
+    atomic[size_t] segments_created
+    atomic[size_t] segments_released
+    atomic[uint64_t] next_serial
+
+ctypedef struct gm_pool:
+    atomic[int] lock
+    gm_config cfg
+    gm_stats stats
+    gm_heap** heaps                  # heaps[2*k] small, heaps[2*k+1] large, for stream slot k
+    int nheaps
+    int last_slot                    # slot of the last stream looked up (most calls use one stream)
+    gm_segment* segments
+    gm_block* spare_blocks           # recycled block structs
+    void** chunks                    # malloc'd arrays of block structs, freed with the pool
+    int nchunks
+    int chunks_cap
+
+# --- the C API (all nogil; each takes the pool's lock itself) --------------------------------
+cdef size_t gm_round(const gm_pool* p, size_t nbytes) noexcept nogil
+cdef int gm_alloc(gm_pool* p, size_t nbytes, uint64_t stream, gm_block** out) noexcept nogil
+cdef int gm_free(gm_pool* p, gm_block* b, uint64_t serial) noexcept nogil
+cdef inline size_t gm_block_address(const gm_block* b) noexcept nogil:
+    return b.segment.base + b.offset
+
+
+cdef class CachingPool:
+    cdef gm_pool* _p
+    cdef size_t segment_size_for(self, size_t rounded) noexcept nogil
+    cdef int add_segment_and_alloc(self, uint64_t handle, size_t base, size_t seg_size,
+                                   size_t nbytes, uint64_t stream, gm_block** out) except -1
+    cdef int alloc_from_donor(self, size_t nbytes, uint64_t stream, uint64_t donor,
+                              gm_block** out) noexcept

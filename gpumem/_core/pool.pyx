@@ -1,0 +1,859 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
+# distutils: language = c++
+"""The caching pool: segments carved into blocks, in C structures, behind a spin mutex.
+
+Free blocks live in two-level segregated size-class lists (TLSF): 32 classes per power of two,
+a 64-bit word of "class non-empty" bits per 64 classes and one top word, so finding the smallest
+non-empty class that fits is two count-trailing-zeros, whatever the number of cached blocks.
+Each stream has its own pair of heaps (small pool, large pool): a block freed on stream S is
+reused by S at once and lent to another stream only through `alloc_from_donor`, which the
+manager calls once the backend says S is idle.
+
+Counters are std::atomic so `counters()` reads them without the lock; they are written only
+under the lock, so a relaxed load+store (no locked read-modify-write) is enough.
+"""
+cimport cython
+from libc.stdint cimport uint64_t, int64_t, SIZE_MAX
+from libc.stdlib cimport malloc, calloc, free, realloc
+from libcpp.atomic cimport atomic, memory_order_relaxed, memory_order_acquire, memory_order_release
+
+cdef extern from *:
+    """
+    #include <sched.h>
+    #include <atomic>
+    static inline int gm_clz64(unsigned long long x) { return __builtin_clzll(x); }
+    static inline int gm_ctz64(unsigned long long x) { return __builtin_ctzll(x); }
+    template <typename A, typename V> static inline void gm_add(A &c, V v) {
+        c.store(c.load(std::memory_order_relaxed) + v, std::memory_order_relaxed);
+    }
+    template <typename A, typename V> static inline void gm_sub(A &c, V v) {
+        c.store(c.load(std::memory_order_relaxed) - v, std::memory_order_relaxed);
+    }
+    template <typename A, typename V> static inline void gm_max(A &c, V v) {
+        if (c.load(std::memory_order_relaxed) < v) c.store(v, std::memory_order_relaxed);
+    }
+    """
+    int gm_clz64(unsigned long long x) nogil
+    int gm_ctz64(unsigned long long x) nogil
+    void gm_add(atomic[size_t]& c, size_t v) nogil
+    void gm_sub(atomic[size_t]& c, size_t v) nogil
+    void gm_max(atomic[size_t]& c, size_t v) nogil
+    int sched_yield() nogil
+
+cdef enum:
+    _BLOCK_CHUNK = 4096          # block structs malloc'd at a time
+    _EXACT_SCAN = 4              # blocks examined in the request's own class before moving up
+
+
+# ---------------------------------------------------------------------------------------------
+# lock
+cdef inline void _lock(gm_pool* p) noexcept nogil:
+    cdef int spins = 0
+    while p.lock.exchange(1, memory_order_acquire):
+        while p.lock.load(memory_order_relaxed):
+            spins += 1
+            if spins >= 64:       # the holder was descheduled: let it run
+                sched_yield()
+                spins = 0
+
+cdef inline void _unlock(gm_pool* p) noexcept nogil:
+    p.lock.store(0, memory_order_release)
+
+
+# ---------------------------------------------------------------------------------------------
+# size classes
+cdef inline int _class_of(size_t s) noexcept nogil:
+    cdef int fl
+    if s < 32:
+        return <int>s
+    fl = 63 - gm_clz64(s)
+    return (fl - GM_SLI + 1) * 32 + <int>((s >> (fl - GM_SLI)) & 31)
+
+cdef inline size_t _class_floor(int c) noexcept nogil:
+    """Smallest size that maps to class c."""
+    cdef int fl
+    if c < 32:
+        return <size_t>c
+    fl = c // 32 + GM_SLI - 1
+    return (<size_t>(32 + c % 32)) << (fl - GM_SLI)
+
+
+# ---------------------------------------------------------------------------------------------
+# heaps
+cdef inline void _heap_insert(gm_heap* h, gm_block* b, int hi) noexcept nogil:
+    cdef int c = _class_of(b.size)
+    b.size_class = c
+    b.heap_index = hi
+    b.free_prev = NULL
+    b.free_next = h.heads[c]
+    if h.heads[c] != NULL:
+        h.heads[c].free_prev = b
+    else:
+        h.words[c >> 6] |= (<uint64_t>1) << (c & 63)
+        h.top |= (<uint64_t>1) << (c >> 6)
+    h.heads[c] = b
+    h.free_bytes += b.size
+    h.free_blocks += 1
+
+cdef inline void _heap_remove(gm_heap* h, gm_block* b) noexcept nogil:
+    cdef int c = b.size_class
+    if b.free_prev != NULL:
+        b.free_prev.free_next = b.free_next
+    else:
+        h.heads[c] = b.free_next
+    if b.free_next != NULL:
+        b.free_next.free_prev = b.free_prev
+    if h.heads[c] == NULL:
+        h.words[c >> 6] &= ~((<uint64_t>1) << (c & 63))
+        if h.words[c >> 6] == 0:
+            h.top &= ~((<uint64_t>1) << (c >> 6))
+    h.free_bytes -= b.size
+    h.free_blocks -= 1
+    b.heap_index = -1
+    b.free_prev = NULL
+    b.free_next = NULL
+
+cdef inline int _first_class_from(const gm_heap* h, int c) noexcept nogil:
+    """The first non-empty class >= c, or -1."""
+    cdef int w
+    cdef uint64_t m
+    if c >= GM_NCLASSES:
+        return -1
+    w = c >> 6
+    m = h.words[w] & (~(<uint64_t>0) << (c & 63))
+    if m:
+        return (w << 6) + gm_ctz64(m)
+    if w + 1 >= GM_NWORDS:
+        return -1
+    m = h.top & (~(<uint64_t>0) << (w + 1))
+    if not m:
+        return -1
+    w = gm_ctz64(m)
+    return (w << 6) + gm_ctz64(h.words[w])
+
+cdef gm_block* _take_fit(gm_pool* p, gm_heap* h, size_t s) noexcept nogil:
+    """Remove and return a free block of at least s bytes from h, or NULL. O(1)."""
+    cdef int c = _class_of(s)
+    cdef int n = 0
+    cdef gm_block* b = h.heads[c]
+    while b != NULL and n < _EXACT_SCAN:
+        if b.size >= s:
+            break
+        b = b.free_next
+        n += 1
+    if b == NULL or b.size < s:
+        c = _first_class_from(h, c + 1)
+        if c < 0:
+            return NULL
+        b = h.heads[c]
+    if s < p.cfg.max_split_size:
+        if b.size >= p.cfg.max_split_size:
+            return NULL           # do not shred an oversize block for a smaller request
+    elif b.size - s > p.cfg.oversize_slack:
+        return NULL               # oversize blocks are not split; take only a close fit
+    _heap_remove(h, b)
+    return b
+
+
+# ---------------------------------------------------------------------------------------------
+# block structs
+cdef gm_block* _new_block(gm_pool* p) noexcept nogil:
+    cdef gm_block* b = p.spare_blocks
+    cdef gm_block* chunk
+    cdef void** grown
+    cdef int i
+    if b == NULL:
+        if p.nchunks == p.chunks_cap:
+            grown = <void**>realloc(p.chunks, sizeof(void*) * (p.chunks_cap * 2 + 8))
+            if grown == NULL:
+                return NULL
+            p.chunks = grown
+            p.chunks_cap = p.chunks_cap * 2 + 8
+        chunk = <gm_block*>malloc(sizeof(gm_block) * _BLOCK_CHUNK)
+        if chunk == NULL:
+            return NULL
+        p.chunks[p.nchunks] = chunk
+        p.nchunks += 1
+        for i in range(_BLOCK_CHUNK - 1):
+            chunk[i].next = &chunk[i + 1]
+        chunk[_BLOCK_CHUNK - 1].next = NULL
+        b = chunk
+    p.spare_blocks = b.next
+    b.serial = 0
+    b.requested = 0
+    b.heap_index = -1
+    b.free_prev = NULL
+    b.free_next = NULL
+    b.prev = NULL
+    b.next = NULL
+    return b
+
+cdef inline void _drop_block(gm_pool* p, gm_block* b) noexcept nogil:
+    b.serial = 0                  # a stale (block, serial) pair never matches again
+    b.heap_index = -2
+    b.next = p.spare_blocks
+    p.spare_blocks = b
+
+
+# ---------------------------------------------------------------------------------------------
+# streams
+cdef inline int _slot(gm_pool* p, uint64_t stream) noexcept nogil:
+    cdef int k = p.last_slot
+    if k >= 0 and p.heaps[2 * k].stream == stream:
+        return k
+    for k in range(p.nheaps // 2):
+        if p.heaps[2 * k].stream == stream:
+            p.last_slot = k
+            return k
+    return -1
+
+cdef int _register_stream(gm_pool* p, uint64_t stream) noexcept nogil:
+    """Slot of `stream`, creating its heaps if new; -1 when host memory runs out."""
+    cdef int k = _slot(p, stream)
+    cdef gm_heap** grown
+    cdef gm_heap* small
+    cdef gm_heap* large
+    if k >= 0:
+        return k
+    grown = <gm_heap**>realloc(p.heaps, sizeof(gm_heap*) * (p.nheaps + 2))
+    if grown == NULL:
+        return -1
+    p.heaps = grown
+    small = <gm_heap*>calloc(1, sizeof(gm_heap))
+    large = <gm_heap*>calloc(1, sizeof(gm_heap))
+    if small == NULL or large == NULL:
+        free(small)
+        free(large)
+        return -1
+    small.stream = stream
+    large.stream = stream
+    p.heaps[p.nheaps] = small
+    p.heaps[p.nheaps + 1] = large
+    p.nheaps += 2
+    return p.nheaps // 2 - 1
+
+
+# ---------------------------------------------------------------------------------------------
+# carving and accounting
+cdef inline bint _worth_splitting(const gm_pool* p, const gm_block* b, size_t s) noexcept nogil:
+    cdef size_t rest = b.size - s
+    if b.segment.is_small:
+        return rest >= p.cfg.granularity
+    return rest >= p.cfg.large_split_min and s < p.cfg.max_split_size
+
+cdef int _carve(gm_pool* p, gm_block* b, size_t s, size_t requested, uint64_t stream,
+                int hi) noexcept nogil:
+    """Make b (already out of every heap) a live block of s bytes; its remainder, if worth
+    keeping, goes back to heap hi. Returns -1 when no block struct could be had."""
+    cdef gm_block* r
+    cdef size_t in_use
+    if _worth_splitting(p, b, s):
+        r = _new_block(p)
+        if r == NULL:
+            return -1
+        r.segment = b.segment
+        r.offset = b.offset + s
+        r.size = b.size - s
+        r.stream = p.heaps[hi].stream
+        r.prev = b
+        r.next = b.next
+        if b.next != NULL:
+            b.next.prev = r
+        b.next = r
+        b.size = s
+        _heap_insert(p.heaps[hi], r, hi)
+    b.requested = requested
+    b.stream = stream
+    b.heap_index = -1
+    b.serial = p.stats.next_serial.load(memory_order_relaxed) + 1
+    p.stats.next_serial.store(b.serial, memory_order_relaxed)
+    b.segment.live_blocks += 1
+    gm_add(p.stats.in_use_bytes, b.size)
+    gm_add(p.stats.requested_bytes, requested)
+    gm_add(p.stats.active_blocks, 1)
+    gm_add(p.stats.num_allocs, 1)
+    in_use = p.stats.in_use_bytes.load(memory_order_relaxed)
+    gm_max(p.stats.peak_in_use_bytes, in_use)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# the public C API
+cdef size_t gm_round(const gm_pool* p, size_t nbytes) noexcept nogil:
+    cdef size_t g = p.cfg.granularity
+    if nbytes == 0:
+        return g
+    if nbytes > SIZE_MAX - g:
+        return SIZE_MAX & ~(g - 1)
+    return (nbytes + g - 1) & ~(g - 1)
+
+cdef int gm_alloc(gm_pool* p, size_t nbytes, uint64_t stream, gm_block** out) noexcept nogil:
+    cdef size_t s = gm_round(p, nbytes)
+    cdef int k, hi
+    cdef gm_block* b
+    out[0] = NULL
+    _lock(p)
+    k = _slot(p, stream)
+    if k < 0:
+        _unlock(p)
+        return GM_UNKNOWN_STREAM
+    hi = 2 * k + (0 if s <= p.cfg.small_size else 1)
+    b = _take_fit(p, p.heaps[hi], s)
+    if b == NULL:
+        _unlock(p)
+        return GM_MISS
+    if _carve(p, b, s, nbytes, stream, hi) < 0:
+        _heap_insert(p.heaps[hi], b, hi)
+        _unlock(p)
+        return GM_MISS
+    gm_add(p.stats.hits, 1)
+    _unlock(p)
+    out[0] = b
+    return GM_OK
+
+cdef int gm_free(gm_pool* p, gm_block* b, uint64_t serial) noexcept nogil:
+    cdef gm_heap* h
+    cdef gm_block* n
+    cdef int k, hi
+    _lock(p)
+    if serial == 0 or b.serial != serial or b.heap_index != -1:
+        _unlock(p)
+        return GM_BAD_BLOCK
+    k = _slot(p, b.stream)
+    hi = 2 * k + (0 if b.segment.is_small else 1)
+    h = p.heaps[hi]
+    gm_sub(p.stats.in_use_bytes, b.size)
+    gm_sub(p.stats.requested_bytes, b.requested)
+    gm_sub(p.stats.active_blocks, 1)
+    gm_add(p.stats.num_frees, 1)
+    b.serial = 0
+    b.requested = 0
+    b.segment.live_blocks -= 1
+    # coalesce with free neighbours held by the same heap (same stream, same pool)
+    n = b.next
+    if n != NULL and n.heap_index == hi:
+        _heap_remove(h, n)
+        b.size += n.size
+        b.next = n.next
+        if n.next != NULL:
+            n.next.prev = b
+        _drop_block(p, n)
+    n = b.prev
+    if n != NULL and n.heap_index == hi:
+        _heap_remove(h, n)
+        n.size += b.size
+        n.next = b.next
+        if b.next != NULL:
+            b.next.prev = n
+        _drop_block(p, b)
+        b = n
+    _heap_insert(h, b, hi)
+    _unlock(p)
+    return GM_OK
+
+
+# ---------------------------------------------------------------------------------------------
+cdef tuple _detach_segment(gm_pool* p, gm_segment* seg):
+    """Unlink a wholly free segment (lock held), drop its blocks; return its description."""
+    cdef gm_block* b = seg.first
+    cdef gm_block* nxt
+    cdef tuple desc = (seg.handle, seg.base, seg.size, bool(seg.is_small), seg.stream)
+    while b != NULL:
+        nxt = b.next
+        _heap_remove(p.heaps[b.heap_index], b)
+        _drop_block(p, b)
+        b = nxt
+    if seg.prev != NULL:
+        seg.prev.next = seg.next
+    else:
+        p.segments = seg.next
+    if seg.next != NULL:
+        seg.next.prev = seg.prev
+    gm_sub(p.stats.reserved_bytes, seg.size)
+    gm_sub(p.stats.num_segments, 1)
+    gm_add(p.stats.segments_released, 1)
+    free(seg)
+    return desc
+
+
+cdef inline size_t _round_up(size_t n, size_t to) noexcept nogil:
+    return ((n + to - 1) // to) * to
+
+
+@cython.final
+cdef class CachingPool:
+    """Segments and blocks of one device, without the device: the manager feeds it segments.
+
+    Python code uses this class for introspection (segments, invariants, counters) and the
+    manager's slow paths; the hot path is gm_alloc/gm_free.
+    """
+
+    def __cinit__(self, *, size_t granularity=512, size_t small_size=1 << 20,
+                  size_t small_segment=2 << 20, size_t large_segment=20 << 20,
+                  size_t large_threshold=10 << 20, size_t large_round=2 << 20,
+                  max_split_size=None, size_t large_split_min=1 << 20,
+                  size_t oversize_slack=20 << 20):
+        if granularity == 0 or granularity & (granularity - 1):
+            raise ValueError(f"granularity must be a power of two, got {granularity}")
+        if small_size > small_segment:
+            raise ValueError(f"small_size ({small_size}) must not exceed small_segment "
+                             f"({small_segment})")
+        if large_round == 0 or large_segment < large_threshold:
+            raise ValueError("large_round must be > 0 and large_segment >= large_threshold")
+        self._p = <gm_pool*>calloc(1, sizeof(gm_pool))
+        if self._p == NULL:
+            raise MemoryError("cannot allocate the pool structure")
+        self._p.cfg.granularity = granularity
+        self._p.cfg.small_size = small_size
+        self._p.cfg.small_segment = _round_up(small_segment, granularity)
+        self._p.cfg.large_segment = _round_up(large_segment, granularity)
+        self._p.cfg.large_threshold = large_threshold
+        self._p.cfg.large_round = _round_up(large_round, granularity)
+        self._p.cfg.max_split_size = SIZE_MAX if max_split_size is None else <size_t>max_split_size
+        self._p.cfg.large_split_min = max(large_split_min, granularity)
+        self._p.cfg.oversize_slack = oversize_slack
+        self._p.last_slot = -1
+        if _register_stream(self._p, 0) < 0:
+            raise MemoryError("cannot allocate the default stream's heaps")
+
+    def __dealloc__(self):
+        cdef gm_segment* s
+        cdef gm_segment* nxt
+        cdef int i
+        if self._p == NULL:
+            return
+        s = self._p.segments
+        while s != NULL:
+            nxt = s.next
+            free(s)
+            s = nxt
+        for i in range(self._p.nchunks):
+            free(self._p.chunks[i])
+        free(self._p.chunks)
+        for i in range(self._p.nheaps):
+            free(self._p.heaps[i])
+        free(self._p.heaps)
+        free(self._p)
+        self._p = NULL
+
+    # --- sizes ------------------------------------------------------------------------------
+    @property
+    def granularity(self) -> int:
+        return self._p.cfg.granularity
+
+    @property
+    def small_size(self) -> int:
+        return self._p.cfg.small_size
+
+    def round_size(self, size_t nbytes) -> int:
+        """The bytes a request of nbytes occupies in the pool."""
+        return gm_round(self._p, nbytes)
+
+    cdef size_t segment_size_for(self, size_t rounded) noexcept nogil:
+        if rounded <= self._p.cfg.small_size:
+            return self._p.cfg.small_segment
+        if rounded < self._p.cfg.large_threshold:
+            return self._p.cfg.large_segment
+        return _round_up(rounded, self._p.cfg.large_round)
+
+    def segment_size(self, size_t nbytes) -> int:
+        """Size of the segment a miss for nbytes asks the backend for."""
+        return self.segment_size_for(gm_round(self._p, nbytes))
+
+    # --- streams ------------------------------------------------------------------------------
+    def register_stream(self, uint64_t stream) -> None:
+        cdef int k
+        _lock(self._p)
+        k = _register_stream(self._p, stream)
+        _unlock(self._p)
+        if k < 0:
+            raise MemoryError("cannot allocate heaps for a new stream")
+
+    def has_stream(self, uint64_t stream) -> bool:
+        cdef int k
+        _lock(self._p)
+        k = _slot(self._p, stream)
+        _unlock(self._p)
+        return k >= 0
+
+    def donor_streams(self, uint64_t stream, size_t nbytes) -> list:
+        """Streams other than `stream` whose heap of the right pool holds a block that may fit."""
+        cdef size_t s = gm_round(self._p, nbytes)
+        cdef int k, off = 0 if s <= self._p.cfg.small_size else 1
+        cdef gm_heap* h
+        cdef list out = []
+        _lock(self._p)
+        for k in range(self._p.nheaps // 2):
+            h = self._p.heaps[2 * k + off]
+            if h.stream != stream and h.free_bytes >= s:
+                out.append(h.stream)
+        _unlock(self._p)
+        return out
+
+    cdef int alloc_from_donor(self, size_t nbytes, uint64_t stream, uint64_t donor,
+                              gm_block** out) noexcept:
+        """Take a block from donor's free heap for `stream` (the caller has checked that the
+        donor stream is idle). Returns GM_OK or GM_MISS."""
+        cdef size_t s = gm_round(self._p, nbytes)
+        cdef int kd, hi
+        cdef gm_block* b
+        out[0] = NULL
+        _lock(self._p)
+        kd = _slot(self._p, donor)
+        if kd < 0 or _slot(self._p, stream) < 0:
+            _unlock(self._p)
+            return GM_MISS
+        hi = 2 * kd + (0 if s <= self._p.cfg.small_size else 1)
+        b = _take_fit(self._p, self._p.heaps[hi], s)
+        if b == NULL:
+            _unlock(self._p)
+            return GM_MISS
+        if _carve(self._p, b, s, nbytes, stream, hi) < 0:
+            _heap_insert(self._p.heaps[hi], b, hi)
+            _unlock(self._p)
+            return GM_MISS
+        gm_add(self._p.stats.hits, 1)
+        _unlock(self._p)
+        out[0] = b
+        return GM_OK
+
+    # --- segments ---------------------------------------------------------------------------
+    cdef int add_segment_and_alloc(self, uint64_t handle, size_t base, size_t seg_size,
+                                   size_t nbytes, uint64_t stream, gm_block** out) except -1:
+        """Adopt a fresh segment and carve the request from its start."""
+        cdef gm_pool* p = self._p
+        cdef size_t s = gm_round(p, nbytes)
+        cdef gm_segment* seg
+        cdef gm_block* b
+        cdef int k, hi
+        if seg_size < s:
+            raise ValueError(f"segment of {seg_size} bytes cannot hold a {s}-byte block")
+        seg = <gm_segment*>calloc(1, sizeof(gm_segment))
+        if seg == NULL:
+            raise MemoryError("cannot allocate a segment record")
+        _lock(p)
+        k = _register_stream(p, stream)
+        b = _new_block(p) if k >= 0 else NULL
+        if b == NULL:
+            _unlock(p)
+            free(seg)
+            raise MemoryError("cannot allocate a block record")
+        seg.handle = handle
+        seg.base = base
+        seg.size = seg_size
+        seg.is_small = s <= p.cfg.small_size
+        seg.stream = stream
+        seg.first = b
+        seg.next = p.segments
+        if p.segments != NULL:
+            p.segments.prev = seg
+        p.segments = seg
+        b.segment = seg
+        b.offset = 0
+        b.size = seg_size
+        b.stream = stream
+        hi = 2 * k + (0 if seg.is_small else 1)
+        gm_add(p.stats.reserved_bytes, seg_size)
+        gm_max(p.stats.peak_reserved_bytes, p.stats.reserved_bytes.load(memory_order_relaxed))
+        gm_add(p.stats.num_segments, 1)
+        gm_add(p.stats.segments_created, 1)
+        gm_add(p.stats.misses, 1)
+        if _carve(p, b, s, nbytes, stream, hi) < 0:
+            _heap_insert(p.heaps[hi], b, hi)   # the segment stays, wholly free
+            _unlock(p)
+            raise MemoryError("cannot allocate a block record")
+        _unlock(p)
+        out[0] = b
+        return 0
+
+    def release_free_segments(self, size_t max_bytes=SIZE_MAX) -> list:
+        """Detach wholly free segments, largest first, until max_bytes have been released.
+
+        Returns ``[(handle, base, size, is_small, stream), ...]``; the caller returns each to the
+        backend, or hands it back with :meth:`restore_segment` if the backend refuses.
+        """
+        cdef gm_pool* p = self._p
+        cdef gm_segment* s
+        cdef gm_segment* best
+        cdef size_t released = 0
+        cdef list out = []
+        _lock(p)
+        while released < max_bytes:
+            best = NULL
+            s = p.segments
+            while s != NULL:
+                if s.live_blocks == 0 and (best == NULL or s.size > best.size):
+                    best = s
+                s = s.next
+            if best == NULL:
+                break
+            released += best.size
+            out.append(_detach_segment(p, best))
+        _unlock(p)
+        return out
+
+    def excess_free_segments(self, size_t per_class) -> list:
+        """Detach wholly free large-pool segments beyond `per_class` of one size class (the
+        newest of each class are kept). Same return value as release_free_segments."""
+        cdef gm_pool* p = self._p
+        cdef gm_segment* s
+        cdef gm_segment* nxt
+        cdef dict seen = {}
+        cdef list out = []
+        cdef int c
+        _lock(p)
+        s = p.segments                    # newest first
+        while s != NULL:
+            nxt = s.next
+            if s.live_blocks == 0 and not s.is_small:
+                c = _class_of(s.size)
+                seen[c] = seen.get(c, 0) + 1
+                if seen[c] > per_class:
+                    out.append(_detach_segment(p, s))
+            s = nxt
+        _unlock(p)
+        return out
+
+    def restore_segment(self, uint64_t handle, size_t base, size_t size, bint is_small,
+                        uint64_t stream) -> None:
+        """Put back a segment detached by release_free_segments (the backend kept it)."""
+        cdef gm_pool* p = self._p
+        cdef gm_segment* seg = <gm_segment*>calloc(1, sizeof(gm_segment))
+        cdef gm_block* b
+        cdef int k, hi
+        if seg == NULL:
+            raise MemoryError("cannot allocate a segment record")
+        _lock(p)
+        k = _register_stream(p, stream)
+        b = _new_block(p) if k >= 0 else NULL
+        if b == NULL:
+            _unlock(p)
+            free(seg)
+            raise MemoryError("cannot allocate a block record")
+        seg.handle = handle
+        seg.base = base
+        seg.size = size
+        seg.is_small = is_small
+        seg.stream = stream
+        seg.first = b
+        seg.next = p.segments
+        if p.segments != NULL:
+            p.segments.prev = seg
+        p.segments = seg
+        b.segment = seg
+        b.offset = 0
+        b.size = size
+        b.stream = stream
+        hi = 2 * k + (0 if is_small else 1)
+        _heap_insert(p.heaps[hi], b, hi)
+        gm_add(p.stats.reserved_bytes, size)
+        gm_add(p.stats.num_segments, 1)
+        gm_sub(p.stats.segments_released, 1)
+        _unlock(p)
+
+    def live_segment_handles(self) -> list:
+        """Handles of every segment (for close(): all are returned to the backend)."""
+        cdef gm_segment* s
+        cdef list out = []
+        _lock(self._p)
+        s = self._p.segments
+        while s != NULL:
+            out.append(s.handle)
+            s = s.next
+        _unlock(self._p)
+        return out
+
+    # --- statistics ---------------------------------------------------------------------------
+    def counters(self) -> dict:
+        """Every counter, read without the lock (each value exact, the set not a snapshot)."""
+        cdef gm_stats* st = &self._p.stats
+        return {
+            "reserved_bytes": st.reserved_bytes.load(),
+            "in_use_bytes": st.in_use_bytes.load(),
+            "requested_bytes": st.requested_bytes.load(),
+            "peak_in_use_bytes": st.peak_in_use_bytes.load(),
+            "peak_reserved_bytes": st.peak_reserved_bytes.load(),
+            "active_blocks": st.active_blocks.load(),
+            "num_segments": st.num_segments.load(),
+            "num_allocs": st.num_allocs.load(),
+            "num_frees": st.num_frees.load(),
+            "hits": st.hits.load(),
+            "misses": st.misses.load(),
+            "segments_created": st.segments_created.load(),
+            "segments_released": st.segments_released.load(),
+        }
+
+    @property
+    def reserved_bytes(self) -> int:
+        return self._p.stats.reserved_bytes.load()
+
+    @property
+    def in_use_bytes(self) -> int:
+        return self._p.stats.in_use_bytes.load()
+
+    def reset_peaks(self) -> None:
+        _lock(self._p)
+        self._p.stats.peak_in_use_bytes.store(self._p.stats.in_use_bytes.load())
+        self._p.stats.peak_reserved_bytes.store(self._p.stats.reserved_bytes.load())
+        _unlock(self._p)
+
+    def largest_free_block(self) -> int:
+        """Size of the biggest cached free block (0 if none); shows fragmentation."""
+        cdef gm_pool* p = self._p
+        cdef gm_heap* h
+        cdef gm_block* b
+        cdef size_t best = 0
+        cdef int i, w, c
+        _lock(p)
+        for i in range(p.nheaps):
+            h = p.heaps[i]
+            if h.top == 0:
+                continue
+            w = 63 - gm_clz64(h.top)
+            c = (w << 6) + 63 - gm_clz64(h.words[w])
+            b = h.heads[c]
+            while b != NULL:          # one class: sizes within 1/32 of each other
+                if b.size > best:
+                    best = b.size
+                b = b.free_next
+        _unlock(p)
+        return best
+
+    # --- introspection ------------------------------------------------------------------------
+    def segments(self) -> list:
+        """Every segment with its blocks in address order, as plain dicts (for snapshots)."""
+        cdef gm_segment* s
+        cdef gm_block* b
+        cdef list out = []
+        cdef list blocks
+        _lock(self._p)
+        s = self._p.segments
+        while s != NULL:
+            blocks = []
+            b = s.first
+            while b != NULL:
+                blocks.append({
+                    "offset": b.offset, "size": b.size, "requested": b.requested,
+                    "state": "allocated" if b.heap_index == -1 else "free",
+                    "stream": b.stream, "id": b.serial,
+                })
+                b = b.next
+            out.append({"handle": s.handle, "base": s.base, "size": s.size,
+                        "pool": "small" if s.is_small else "large", "stream": s.stream,
+                        "blocks": blocks})
+            s = s.next
+        _unlock(self._p)
+        out.reverse()                 # oldest first
+        return out
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError unless: blocks tile each segment exactly; no two adjacent free
+        blocks of the same heap are left unmerged; every free block is in the list of its class
+        and every list holds only free blocks; the bitmaps match the lists; and every counter
+        equals a recount."""
+        cdef gm_pool* p = self._p
+        cdef gm_segment* s
+        cdef gm_block* b
+        cdef gm_heap* h
+        cdef size_t reserved = 0, in_use = 0, requested = 0, nseg = 0, live = 0, seg_live
+        cdef size_t list_free_blocks = 0, heap_free_blocks = 0, free_blocks = 0
+        cdef size_t hbytes, hcount, offset
+        cdef int i, c
+        cdef bint nonempty
+        cdef gm_stats* st
+        errors = []
+        _lock(p)
+        try:
+            s = p.segments
+            while s != NULL:
+                nseg += 1
+                reserved += s.size
+                offset = 0
+                seg_live = 0
+                b = s.first
+                if b == NULL or b.prev != NULL:
+                    errors.append(f"segment {s.handle:#x}: bad first block")
+                while b != NULL:
+                    if b.segment != s:
+                        errors.append(f"segment {s.handle:#x}: block at {b.offset} points elsewhere")
+                    if b.offset != offset:
+                        errors.append(f"segment {s.handle:#x}: gap or overlap at offset {offset} "
+                                      f"(block starts at {b.offset})")
+                    if b.size == 0 or b.size % p.cfg.granularity:
+                        errors.append(f"segment {s.handle:#x}: block size {b.size} not a positive "
+                                      f"multiple of the granularity")
+                    if b.next != NULL and b.next.prev != b:
+                        errors.append(f"segment {s.handle:#x}: broken prev link at {b.next.offset}")
+                    offset = b.offset + b.size
+                    if b.heap_index == -1:
+                        if b.serial == 0:
+                            errors.append(f"segment {s.handle:#x}: live block without serial")
+                        seg_live += 1
+                        in_use += b.size
+                        requested += b.requested
+                    elif b.heap_index >= 0 and b.heap_index < p.nheaps:
+                        free_blocks += 1
+                        if b.serial != 0:
+                            errors.append(f"free block at {b.offset} keeps a serial")
+                        if p.heaps[b.heap_index].stream != b.stream:
+                            errors.append(f"free block at {b.offset} in the heap of another stream")
+                        if (b.heap_index % 2 == 0) != bool(s.is_small):
+                            errors.append(f"free block at {b.offset} in the wrong pool's heap")
+                        if b.size_class != _class_of(b.size):
+                            errors.append(f"free block at {b.offset} filed under a wrong class")
+                        if b.next != NULL and b.next.heap_index == b.heap_index:
+                            errors.append(f"segment {s.handle:#x}: adjacent free blocks at "
+                                          f"{b.offset} and {b.next.offset} left unmerged")
+                    else:
+                        errors.append(f"block at {b.offset} has a bad heap index {b.heap_index}")
+                    b = b.next
+                if offset != s.size:
+                    errors.append(f"segment {s.handle:#x}: blocks cover {offset} of {s.size} bytes")
+                if seg_live != s.live_blocks:
+                    errors.append(f"segment {s.handle:#x}: live_blocks {s.live_blocks} but "
+                                  f"{seg_live} live blocks")
+                live += seg_live
+                s = s.next
+            for i in range(p.nheaps):
+                h = p.heaps[i]
+                hbytes = 0
+                hcount = 0
+                for c in range(GM_NCLASSES):
+                    b = h.heads[c]
+                    nonempty = b != NULL
+                    if nonempty != bool(h.words[c >> 6] & ((<uint64_t>1) << (c & 63))):
+                        errors.append(f"heap {i}: bitmap disagrees with list of class {c}")
+                    if b != NULL and b.free_prev != NULL:
+                        errors.append(f"heap {i}: head of class {c} has a predecessor")
+                    while b != NULL:
+                        if b.heap_index != i or b.size_class != c:
+                            errors.append(f"heap {i}: class {c} lists a block that is not its own")
+                        if b.size < _class_floor(c):
+                            errors.append(f"heap {i}: block of {b.size} below class {c}'s floor")
+                        hbytes += b.size
+                        hcount += 1
+                        b = b.free_next
+                for c in range(GM_NWORDS):
+                    if bool(h.words[c]) != bool(h.top & ((<uint64_t>1) << c)):
+                        errors.append(f"heap {i}: top bitmap disagrees with word {c}")
+                if hbytes != h.free_bytes or hcount != h.free_blocks:
+                    errors.append(f"heap {i}: free_bytes/free_blocks {h.free_bytes}/"
+                                  f"{h.free_blocks} but recount {hbytes}/{hcount}")
+                list_free_blocks += hcount
+            if list_free_blocks != free_blocks:
+                errors.append(f"{free_blocks} free blocks in segments but {list_free_blocks} listed")
+            st = &p.stats
+            for name, counted, value in (
+                    ("reserved_bytes", reserved, st.reserved_bytes.load()),
+                    ("in_use_bytes", in_use, st.in_use_bytes.load()),
+                    ("requested_bytes", requested, st.requested_bytes.load()),
+                    ("active_blocks", live, st.active_blocks.load()),
+                    ("num_segments", nseg, st.num_segments.load())):
+                if counted != value:
+                    errors.append(f"counter {name} is {value} but a recount gives {counted}")
+            if st.num_allocs.load() - st.num_frees.load() != live:
+                errors.append("num_allocs - num_frees differs from the live block count")
+        finally:
+            _unlock(p)
+        if errors:
+            raise AssertionError("pool invariants broken:\n  " + "\n  ".join(errors))

@@ -1,0 +1,148 @@
+"""The backend protocol: what the manager needs from a driver.
+
+A *backend* (sim, cuda, opencl, cpu) enumerates devices and opens them. An opened
+:class:`Device` hands out raw *segments* and knows nothing of blocks: the Cython pool carves
+segments into blocks by offset. Every segment is named by an integer ``handle`` and starts at an
+integer ``base`` address; ``base`` is a real device pointer for CUDA and host memory, a simulated
+address for sim, and a synthetic, unique address range for OpenCL (where the user-facing object is
+a sub-buffer, see :meth:`Device.resolve`).
+
+Streams are integers; ``0`` is the device's default stream/queue.
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["DeviceProperties", "DeviceDescription", "Device", "Backend"]
+
+
+@dataclass(frozen=True)
+class DeviceProperties:
+    """What the driver says about a device. ``extra`` holds backend-specific attributes
+    (compute capability, multiprocessor count, clock, bus width, OpenCL version...)."""
+
+    name: str
+    total_memory: int
+    alignment: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class DeviceDescription:
+    """One row of :func:`gpumem.devices`: a device, or an unavailable backend with its reason."""
+
+    device: str                 # "cuda:0", "opencl:0", "sim:1", "cpu"; "cuda" when unavailable
+    backend: str
+    available: bool
+    name: str = ""
+    total_memory: int = 0
+    free_memory: int = 0
+    reason: str = ""            # why the backend is unavailable
+
+
+class Device(abc.ABC):
+    """One opened device. Implementations must be safe to call from several threads."""
+
+    backend: str                # "sim", "cuda", "opencl", "cpu"
+    index: int
+
+    @property
+    def device_string(self) -> str:
+        return "cpu" if self.backend == "cpu" else f"{self.backend}:{self.index}"
+
+    # --- queries -------------------------------------------------------------------------
+    @abc.abstractmethod
+    def properties(self) -> DeviceProperties:
+        """Name, total memory, base-address alignment and what else the driver reports."""
+
+    @abc.abstractmethod
+    def mem_get_info(self) -> tuple[int, int]:
+        """``(free, total)`` bytes, from the driver (never a hard-coded size)."""
+
+    # --- raw segments ------------------------------------------------------------------------
+    @abc.abstractmethod
+    def alloc_segment(self, nbytes: int) -> tuple[int, int]:
+        """Allocate ``nbytes`` of raw device memory, resident now. Returns ``(handle, base)``.
+
+        Raises :class:`gpumem.errors.DriverOutOfMemory` when the driver has no room and
+        :class:`gpumem.errors.DriverError` for any other driver failure.
+        """
+
+    @abc.abstractmethod
+    def free_segment(self, handle: int) -> None:
+        """Return a segment to the driver. Raises DriverError if the driver fails."""
+
+    @abc.abstractmethod
+    def resolve(self, handle: int, offset: int, nbytes: int) -> Any:
+        """The native object for a block: its address (int) for cuda/cpu/sim, a sub-buffer
+        (``pyopencl.Buffer``) for OpenCL."""
+
+    # --- data movement (tests, CPU fallback, migration) ---------------------------------------
+    @abc.abstractmethod
+    def copy_from_host(self, handle: int, offset: int, src: memoryview, stream: int = 0) -> None:
+        """Copy ``src`` (contiguous bytes) into the segment at ``offset``; synchronous."""
+
+    @abc.abstractmethod
+    def copy_to_host(self, handle: int, offset: int, dst: memoryview, stream: int = 0) -> None:
+        """Copy ``len(dst)`` bytes from the segment at ``offset`` into ``dst``; synchronous."""
+
+    @abc.abstractmethod
+    def memset(self, handle: int, offset: int, value: int, nbytes: int, stream: int = 0) -> None:
+        """Fill ``nbytes`` at ``offset`` with the byte ``value``; synchronous."""
+
+    # --- streams -------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def create_stream(self) -> int:
+        """A new stream (CUDA stream, OpenCL queue); returns its nonzero integer handle."""
+
+    @abc.abstractmethod
+    def destroy_stream(self, stream: int) -> None:
+        """Release a stream made by :meth:`create_stream`."""
+
+    @abc.abstractmethod
+    def stream_idle(self, stream: int) -> bool:
+        """True when every piece of work submitted to ``stream`` so far has finished. The pool
+        lends a block freed on one stream to another only once this says so."""
+
+    @abc.abstractmethod
+    def synchronize(self) -> None:
+        """Wait for all work on the device (before segments are returned to the driver)."""
+
+    def close(self) -> None:
+        """Release driver resources held by this object (contexts, queues). Idempotent."""
+
+
+class Backend(abc.ABC):
+    """A family of devices reached through one driver."""
+
+    name: str                   # "sim", "cuda", "opencl", "cpu"
+
+    @abc.abstractmethod
+    def availability(self) -> tuple[bool, str]:
+        """``(True, "")`` or ``(False, reason)``; must not raise, must not crash without a driver."""
+
+    @abc.abstractmethod
+    def device_count(self) -> int:
+        """How many devices; raises BackendUnavailableError when the backend is unavailable."""
+
+    @abc.abstractmethod
+    def open(self, index: int) -> Device:
+        """Open device ``index``; raises InvalidDeviceError (listing devices) for a bad index."""
+
+    def describe(self) -> list[DeviceDescription]:
+        """One row per device, or one row saying why the backend is unavailable."""
+        ok, reason = self.availability()
+        if not ok:
+            return [DeviceDescription(device=self.name, backend=self.name, available=False,
+                                      reason=reason)]
+        rows = []
+        for i in range(self.device_count()):
+            dev = self.open(i)
+            props = dev.properties()
+            free, total = dev.mem_get_info()
+            rows.append(DeviceDescription(device=dev.device_string, backend=self.name,
+                                          available=True, name=props.name,
+                                          total_memory=total, free_memory=free))
+        return rows

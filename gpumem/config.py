@@ -1,0 +1,222 @@
+"""MemoryConfig: every knob of a MemoryManager, validated at construction."""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from gpumem.errors import InvalidInputError
+from gpumem.units import GiB, MiB, parse_size
+
+__all__ = ["MemoryConfig"]
+
+
+def _debug_env() -> bool:
+    return os.environ.get("GPUMEM_DEBUG", "") not in ("", "0", "false", "False")
+
+
+def _power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+@dataclass(frozen=True)
+class MemoryConfig:
+    """How a manager uses its device. Sizes are bytes (ints); `from_env`/`with_*` accept strings.
+
+    Limits: a manager never holds more than ``usable_memory = min(total * gpu_memory_fraction,
+    total - reserve)`` and never asks the driver for a segment that would leave less than
+    ``min_free_bytes`` free on the device.
+    """
+
+    gpu_memory_fraction: float = 0.9
+    cpu_fallback_enabled: bool = True
+    min_free_bytes: int = 512 * MiB
+    track_allocations: bool = field(default_factory=_debug_env)
+    track_stacks: bool = False              # keep the creation stack of each tracked buffer
+    max_pooled_per_bucket: int = 8          # wholly free large segments cached per size class
+    reserve_bytes: int | None = None        # None: the backend's advice (CUDA: driver+context)
+    # pool knobs
+    granularity: int = 512
+    small_size: int = 1 * MiB
+    small_segment: int = 2 * MiB
+    large_segment: int = 20 * MiB
+    large_threshold: int = 10 * MiB
+    large_round: int = 2 * MiB
+    max_split_size: int | None = None
+    large_split_min: int = 1 * MiB
+    oversize_slack: int = 20 * MiB
+    max_pool_size: int | None = None        # cached (free) bytes kept; None: no cap
+    # pressure: fractions of usable memory where MEDIUM, HIGH, CRITICAL begin
+    pressure_thresholds: tuple[float, float, float] = (0.60, 0.80, 0.95)
+    auto_release_at_high: bool = True       # at HIGH, trim the cache to high_cache_fraction
+    high_cache_fraction: float = 0.10       # of usable memory, kept cached at HIGH
+    auto_cleanup_at_critical: bool = True   # at CRITICAL, release every wholly free segment
+
+    def __post_init__(self) -> None:
+        f = self.gpu_memory_fraction
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not math.isfinite(f) \
+                or not 0.0 < f <= 1.0:
+            raise InvalidInputError(
+                f"gpu_memory_fraction must be a number in (0, 1], got {f!r}")
+        for name in ("cpu_fallback_enabled", "track_allocations", "track_stacks",
+                     "auto_release_at_high", "auto_cleanup_at_critical"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidInputError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        for name in ("min_free_bytes", "granularity", "small_size", "small_segment",
+                     "large_segment", "large_threshold", "large_round", "large_split_min",
+                     "oversize_slack", "max_pooled_per_bucket"):
+            self._check_int(name, getattr(self, name))
+        for name in ("reserve_bytes", "max_split_size", "max_pool_size"):
+            if getattr(self, name) is not None:
+                self._check_int(name, getattr(self, name))
+        if not _power_of_two(self.granularity):
+            raise InvalidInputError(
+                f"granularity must be a power of two, got {self.granularity}")
+        for name in ("small_segment", "large_segment", "large_round"):
+            if getattr(self, name) == 0:
+                raise InvalidInputError(f"{name} must be > 0")
+        if self.small_size > self.small_segment:
+            raise InvalidInputError(
+                f"small_size ({self.small_size}) must not exceed small_segment "
+                f"({self.small_segment})")
+        if self.large_threshold > self.large_segment:
+            raise InvalidInputError(
+                f"large_threshold ({self.large_threshold}) must not exceed large_segment "
+                f"({self.large_segment})")
+        t = self.pressure_thresholds
+        if (not isinstance(t, tuple) or len(t) != 3
+                or any(isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x)
+                       for x in t)
+                or not 0.0 < t[0] < t[1] < t[2] <= 1.0):
+            raise InvalidInputError(
+                f"pressure_thresholds must be three increasing fractions in (0, 1], got {t!r}")
+        h = self.high_cache_fraction
+        if isinstance(h, bool) or not isinstance(h, (int, float)) or not math.isfinite(h) \
+                or not 0.0 <= h <= 1.0:
+            raise InvalidInputError(f"high_cache_fraction must be in [0, 1], got {h!r}")
+
+    @staticmethod
+    def _check_int(name: str, value: Any) -> None:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise InvalidInputError(
+                f"{name} must be an int number of bytes, got {type(value).__name__} {value!r}")
+        if value < 0:
+            raise InvalidInputError(f"{name} must be >= 0, got {value}")
+
+    # --- presets ----------------------------------------------------------------------------
+    @classmethod
+    def default(cls) -> "MemoryConfig":
+        """Balanced settings: 90 % of the device, CPU fallback on, 512 MiB kept free."""
+        return cls()
+
+    @classmethod
+    def for_inference(cls) -> "MemoryConfig":
+        """Long-running serving: a larger share of the device, a capped cache, no fallback
+        (a server should fail fast rather than run slowly on the CPU)."""
+        return cls(gpu_memory_fraction=0.95, cpu_fallback_enabled=False,
+                   min_free_bytes=256 * MiB, max_pool_size=2 * GiB)
+
+    @classmethod
+    def for_constrained(cls) -> "MemoryConfig":
+        """Small or shared devices: leave room for others, cache little, release early."""
+        return cls(gpu_memory_fraction=0.7, min_free_bytes=128 * MiB,
+                   max_pool_size=256 * MiB, max_pooled_per_bucket=2,
+                   large_segment=10 * MiB, max_split_size=64 * MiB,
+                   pressure_thresholds=(0.5, 0.7, 0.9))
+
+    # --- builder ------------------------------------------------------------------------------
+    def replace(self, **changes: Any) -> "MemoryConfig":
+        """A copy with some fields changed (validated); unknown field names are an error."""
+        names = {f.name for f in dataclasses.fields(self)}
+        unknown = sorted(set(changes) - names)
+        if unknown:
+            raise InvalidInputError(
+                f"unknown MemoryConfig field(s) {unknown}; fields are {sorted(names)}")
+        return dataclasses.replace(self, **changes)
+
+    def with_gpu_memory_fraction(self, fraction: float) -> "MemoryConfig":
+        return self.replace(gpu_memory_fraction=fraction)
+
+    def with_cpu_fallback(self, enabled: bool) -> "MemoryConfig":
+        return self.replace(cpu_fallback_enabled=enabled)
+
+    def with_min_free_bytes(self, nbytes: int | str) -> "MemoryConfig":
+        return self.replace(min_free_bytes=parse_size(nbytes, what="min_free_bytes"))
+
+    def with_tracking(self, enabled: bool = True, *, stacks: bool = False) -> "MemoryConfig":
+        return self.replace(track_allocations=enabled, track_stacks=stacks)
+
+    def with_max_pool_size(self, nbytes: int | str | None) -> "MemoryConfig":
+        return self.replace(max_pool_size=None if nbytes is None
+                            else parse_size(nbytes, what="max_pool_size"))
+
+    def with_max_split_size(self, nbytes: int | str | None) -> "MemoryConfig":
+        return self.replace(max_split_size=None if nbytes is None
+                            else parse_size(nbytes, what="max_split_size"))
+
+    def with_max_pooled_per_bucket(self, count: int) -> "MemoryConfig":
+        return self.replace(max_pooled_per_bucket=count)
+
+    def with_reserve_bytes(self, nbytes: int | str | None) -> "MemoryConfig":
+        return self.replace(reserve_bytes=None if nbytes is None
+                            else parse_size(nbytes, what="reserve_bytes"))
+
+    def with_pressure_thresholds(self, medium: float, high: float,
+                                 critical: float) -> "MemoryConfig":
+        return self.replace(pressure_thresholds=(medium, high, critical))
+
+    # --- environment --------------------------------------------------------------------------
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None,
+                 base: "MemoryConfig | None" = None) -> "MemoryConfig":
+        """Read ``GPUMEM_<FIELD>`` variables (e.g. ``GPUMEM_GPU_MEMORY_FRACTION=0.8``,
+        ``GPUMEM_MIN_FREE_BYTES=1GiB``, ``GPUMEM_CPU_FALLBACK_ENABLED=0``) over `base`."""
+        env = os.environ if environ is None else environ
+        base = base if base is not None else cls()
+        changes: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            key = "GPUMEM_" + f.name.upper()
+            if key not in env:
+                continue
+            raw = env[key].strip()
+            current = getattr(base, f.name)
+            try:
+                changes[f.name] = _parse_env_value(f.name, raw, current)
+            except InvalidInputError as exc:
+                raise InvalidInputError(f"{key}={env[key]!r}: {exc}") from None
+        if "GPUMEM_DEBUG" in env and "GPUMEM_TRACK_ALLOCATIONS" not in env:
+            changes["track_allocations"] = env["GPUMEM_DEBUG"] not in ("", "0", "false", "False")
+        return base.replace(**changes)
+
+
+_BOOLS = {"1": True, "true": True, "yes": True, "on": True,
+          "0": False, "false": False, "no": False, "off": False}
+_FLOAT_FIELDS = {"gpu_memory_fraction", "high_cache_fraction"}
+_COUNT_FIELDS = {"max_pooled_per_bucket"}
+
+
+def _parse_env_value(name: str, raw: str, current: Any) -> Any:
+    if isinstance(current, bool):
+        if raw.lower() not in _BOOLS:
+            raise InvalidInputError("expected a boolean (1/0, true/false, yes/no, on/off)")
+        return _BOOLS[raw.lower()]
+    if name in _FLOAT_FIELDS:
+        try:
+            return float(raw)
+        except ValueError:
+            raise InvalidInputError("expected a number") from None
+    if name == "pressure_thresholds":
+        try:
+            parts = tuple(float(x) for x in raw.split(","))
+        except ValueError:
+            raise InvalidInputError("expected three comma-separated fractions") from None
+        return parts
+    if name in _COUNT_FIELDS:
+        if not raw.isdigit():
+            raise InvalidInputError("expected a non-negative integer")
+        return int(raw)
+    if raw.lower() in ("none", ""):
+        return None
+    return parse_size(raw, what=name)

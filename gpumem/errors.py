@@ -1,0 +1,97 @@
+"""The exceptions gpumem raises. Every public error derives from :class:`GpuMemoryError`."""
+from __future__ import annotations
+
+__all__ = [
+    "GpuMemoryError",
+    "OutOfMemoryError",
+    "InvalidInputError",
+    "InvalidDeviceError",
+    "DoubleFreeError",
+    "ForeignBufferError",
+    "ClosedManagerError",
+    "BackendUnavailableError",
+    "DriverError",
+    "DriverOutOfMemory",
+    "TraceFormatError",
+]
+
+
+class GpuMemoryError(Exception):
+    """Base class of every gpumem error."""
+
+
+class OutOfMemoryError(GpuMemoryError, MemoryError):
+    """A request could not be served by the device, its cache, or a fallback.
+
+    The attributes give the state at the moment of failure so a user can tell an honest
+    out-of-memory from fragmentation (``largest_free_block`` far below ``cached``).
+    """
+
+    def __init__(self, requested: int, *, device: str = "?", free: int | None = None,
+                 total: int | None = None, in_use: int = 0, cached: int = 0,
+                 limit: int | None = None, largest_free_block: int = 0, reason: str = "") -> None:
+        self.requested = requested
+        self.device = device
+        self.free = free
+        self.total = total
+        self.in_use = in_use
+        self.cached = cached
+        self.limit = limit
+        self.largest_free_block = largest_free_block
+        self.reason = reason
+        from gpumem.units import format_bytes as fb
+
+        def opt(v: int | None) -> str:
+            return "unknown" if v is None else fb(v)
+
+        msg = (f"out of memory on {device}: requested {fb(requested)}; device free {opt(free)} of "
+               f"total {opt(total)}; in use {fb(in_use)}, cached {fb(cached)} "
+               f"(largest free block {fb(largest_free_block)}), limit {opt(limit)}")
+        if reason:
+            msg += f" ({reason})"
+        super().__init__(msg)
+
+
+class InvalidInputError(GpuMemoryError, ValueError):
+    """An argument had a value gpumem cannot accept; the message names it and what is allowed."""
+
+
+class InvalidDeviceError(GpuMemoryError, ValueError):
+    """A device string or index names no device; the message lists the devices that exist."""
+
+
+class DoubleFreeError(InvalidInputError):
+    """A buffer was freed twice."""
+
+
+class ForeignBufferError(InvalidInputError):
+    """A buffer was handed to a manager that did not allocate it (or that has been closed)."""
+
+
+class ClosedManagerError(InvalidInputError):
+    """A manager was used (malloc, free, snapshot...) after close()."""
+
+
+class BackendUnavailableError(GpuMemoryError):
+    """A backend's driver or Python package is missing; the message says which and why."""
+
+
+class DriverError(GpuMemoryError):
+    """A driver call failed. ``code`` is the driver's numeric code and ``code_name`` its name."""
+
+    def __init__(self, message: str, *, code: int | None = None, code_name: str | None = None) -> None:
+        self.code = code
+        self.code_name = code_name
+        super().__init__(message)
+
+
+class DriverOutOfMemory(DriverError, MemoryError):
+    """The driver itself refused a raw segment allocation for lack of memory.
+
+    Backends raise this; the manager turns it into its OOM recovery ladder and, at the end,
+    into :class:`OutOfMemoryError`.
+    """
+
+
+class TraceFormatError(InvalidInputError):
+    """A trace file is malformed; the message names the file and line."""

@@ -1,0 +1,105 @@
+"""CPU fallback: host memory handed out when the device is exhausted."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from gpumem.errors import DoubleFreeError, InvalidInputError
+
+if TYPE_CHECKING:
+    from gpumem._core.buffer import Buffer
+    from gpumem.manager import MemoryManager
+
+__all__ = ["FallbackBuffer"]
+
+
+class FallbackBuffer:
+    """Host memory standing in for a device buffer the device could not hold.
+
+    It has the same core attributes as :class:`gpumem.Buffer` (``ptr``, ``nbytes``, ``id``,
+    ``tag``, ``stream``, ``free()``, context manager) with ``location == "cpu"``, and
+    :meth:`migrate_to_device` moves the data onto the device once memory allows.
+    """
+
+    __slots__ = ("_manager", "_host", "tag", "stream", "__weakref__")
+    location = "cpu"
+
+    def __init__(self, manager: "MemoryManager", host: "Buffer", stream: int, tag: Any) -> None:
+        self._manager = manager
+        self._host = host
+        self.stream = stream
+        self.tag = tag
+
+    @property
+    def ptr(self) -> int:
+        return self._host.ptr
+
+    @property
+    def nbytes(self) -> int:
+        return self._host.nbytes
+
+    @property
+    def id(self) -> int:
+        return self._host.id
+
+    @property
+    def device(self) -> str:
+        return "cpu"
+
+    @property
+    def alive(self) -> bool:
+        return self._host.alive
+
+    @property
+    def __array_interface__(self) -> dict:
+        return self._host.__array_interface__
+
+    def copy_from_host(self, src: Any) -> None:
+        self._host.copy_from_host(src)
+
+    def copy_to_host(self, out: Any = None) -> Any:
+        return self._host.copy_to_host(out)
+
+    def memset(self, value: int) -> None:
+        self._host.memset(value)
+
+    def free(self) -> None:
+        if not self._host.alive:
+            raise DoubleFreeError(f"fallback buffer {self.id} was already freed")
+        self._manager._fallback_released(self)
+        self._host.free()
+
+    def migrate_to_device(self) -> "Buffer":
+        """Copy the data into a new device buffer of the manager and free this host copy.
+
+        Raises OutOfMemoryError (and keeps this buffer) if the device still has no room.
+        """
+        if not self._host.alive:
+            raise InvalidInputError(f"cannot migrate fallback buffer {self.id}: it was freed")
+        dev = self._manager._malloc_device_only(self.nbytes, self.stream, self.tag)
+        try:
+            dev.copy_from_host(self._host.copy_to_host())
+        except BaseException:
+            dev.free()
+            raise
+        self.free()
+        return dev
+
+    def __enter__(self) -> "FallbackBuffer":
+        return self
+
+    def __exit__(self, *exc: Any) -> bool:
+        if self._host.alive:
+            self.free()
+        return False
+
+    def __del__(self) -> None:
+        try:
+            if self._host.alive:
+                self._manager._fallback_released(self)
+        except Exception:
+            pass  # the host Buffer returns its own block when collected
+
+    def __repr__(self) -> str:
+        state = "" if self.alive else ", freed"
+        return f"<gpumem.FallbackBuffer id={self.id} {self.nbytes} B on cpu (for " \
+               f"{self._manager.device_string}){state}>"
