@@ -43,7 +43,7 @@ class MemoryConfig:
     small_segment: int = 2 * MiB
     large_segment: int = 20 * MiB
     large_threshold: int = 10 * MiB
-    large_round: int = 2 * MiB
+    large_round: int = 512                  # big requests get a segment of their own, exact size
     max_split_size: int | None = None
     large_split_min: int = 1 * MiB
     oversize_slack: int = 20 * MiB

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Create (or reuse) the virtual environment .venv, install gpumem with the given extras and
+# build the Cython extensions in place, so both the installed package and the checkout import.
+# Usage: source ci/setup_env.sh "test,pocl,plot,cli"
+set -euo pipefail
+EXTRAS="${1:-}"
+PYTHON="${PYTHON:-python3}"
+VENV="${GPUMEM_VENV:-.venv}"
+if [ ! -x "$VENV/bin/python" ]; then
+    "$PYTHON" -m venv "$VENV"
+fi
+# shellcheck disable=SC1091
+. "$VENV/bin/activate"
+python -m pip install -q --upgrade pip setuptools wheel "Cython>=3.0" numpy 2>&1 | grep -v "^WARNING: Location" || true
+if [ -n "$EXTRAS" ]; then
+    python -m pip install -q ".[$EXTRAS]" 2>&1 | grep -v "^WARNING: Location" || true
+else
+    python -m pip install -q . 2>&1 | grep -v "^WARNING: Location" || true
+fi
+python setup.py -q build_ext --inplace >/dev/null
