@@ -68,8 +68,7 @@ class MemoryManager(ManagerCore):
         self.total_memory = total
         reserve = config.reserve_bytes
         if reserve is None:
-            advice = getattr(dev, "recommended_reserve", None)
-            reserve = advice(total) if advice is not None else 0
+            reserve = dev.recommended_reserve(total)
         self.usable_memory = max(0, min(int(total * config.gpu_memory_fraction), total - reserve))
         self._max_pool_size = config.max_pool_size
         self._set_limits(self.usable_memory, config.max_pool_size)

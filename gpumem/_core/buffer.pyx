@@ -198,9 +198,10 @@ cdef class ManagerCore:
     def _mark_closed(self) -> None:
         self._closed = True
 
-    def malloc(self, nbytes, *, stream=None, tag=None) -> Buffer:
-        """A buffer of at least nbytes on this manager's device (stream: int or an object with
-        a `handle`). Raises OutOfMemoryError when neither the device nor a fallback can serve."""
+    def malloc(self, nbytes, *, stream=None, tag=None):
+        """A Buffer of at least nbytes on this manager's device (stream: int or an object with
+        a `handle`), or a FallbackBuffer in host memory when the device is exhausted and CPU
+        fallback is on. Raises OutOfMemoryError when neither can serve."""
         cdef long long n
         cdef uint64_t s
         cdef gm_block* b

@@ -61,6 +61,11 @@ class Device(abc.ABC):
     def mem_get_info(self) -> tuple[int, int]:
         """``(free, total)`` bytes, from the driver (never a hard-coded size)."""
 
+    def recommended_reserve(self, total: int) -> int:
+        """Bytes of ``total`` a manager should leave to the driver and context (CUDA: driver
+        and context overhead plus an emergency margin). Default: nothing."""
+        return 0
+
     # --- raw segments ------------------------------------------------------------------------
     @abc.abstractmethod
     def alloc_segment(self, nbytes: int) -> tuple[int, int]:

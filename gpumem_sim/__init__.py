@@ -1,0 +1,44 @@
+"""gpumem_sim: a deterministic simulated GPU driver for testing gpumem without a GPU.
+
+``SimDevice`` implements :class:`gpumem.backends.base.Device` (a fake *driver*: raw segments,
+exact ``mem_get_info``, seeded fault injection, optional host-backed bytes, a drivable stream
+model). The registry decides which devices ``"sim:0"``, ``"sim:1"``... name:
+
+- :func:`install` (replacing earlier ones), :func:`installed`, :func:`uninstall`, :func:`using`;
+- when nothing is installed, ``GPUMEM_SIM_DEVICES="16GiB,8GiB"`` is read on first use;
+- when that is unset too, there is one 16 GiB device, so ``"sim:0"`` works out of the box.
+
+Example::
+
+    import gpumem_sim
+    dev = gpumem_sim.SimDevice("1GiB", other_process_bytes="256MiB", fail_after=3, seed=7)
+    gpumem_sim.install(dev)          # now "sim:0"
+"""
+from __future__ import annotations
+
+from gpumem_sim.device import (
+    CALL_LOG_LIMIT,
+    MAX_ALIGNMENT,
+    MAX_CAPACITY,
+    SIM_ERROR_INJECTED,
+    SIM_ERROR_OUT_OF_MEMORY,
+    SimCall,
+    SimDevice,
+    SimSegment,
+)
+from gpumem_sim.registry import (
+    DEFAULT_CAPACITY,
+    ENV_VAR,
+    devices_from_env,
+    install,
+    installed,
+    uninstall,
+    using,
+)
+
+__all__ = [
+    "SimDevice", "SimCall", "SimSegment",
+    "install", "installed", "uninstall", "using", "devices_from_env",
+    "ENV_VAR", "DEFAULT_CAPACITY", "MAX_CAPACITY", "MAX_ALIGNMENT", "CALL_LOG_LIMIT",
+    "SIM_ERROR_OUT_OF_MEMORY", "SIM_ERROR_INJECTED",
+]

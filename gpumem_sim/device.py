@@ -1,0 +1,704 @@
+"""SimDevice: a deterministic fake GPU driver implementing :class:`gpumem.backends.base.Device`.
+
+It is a test double of a *driver*, not of the pool: it hands out raw segments (address ranges in
+its own address window), reports ``mem_get_info`` exactly, and fails on demand, so the real
+Cython pool and the manager can be tested without a GPU. Everything is deterministic: addresses
+depend only on the order of calls, and random faults come from ``random.Random(seed)``.
+
+Fault injection (armed at construction or later with :meth:`SimDevice.inject`):
+
+``fail_after=n``
+    Counting the :meth:`~SimDevice.alloc_segment` calls made after the fault was armed (calls
+    with invalid arguments are not counted): the first ``n`` calls go to the allocator as usual
+    (they may still fail for real lack of room), and every later call raises
+    :class:`~gpumem.errors.DriverOutOfMemory`. ``fail_after=0`` fails every allocation;
+    ``None`` disarms it.
+``fail_rate=p``
+    Every counted allocation call draws exactly one number ``u`` from ``random.Random(seed)``
+    (whether or not a fault is armed) and fails when ``u < p``. The same seed therefore fails
+    the same call numbers, and a higher rate fails a superset of the calls a lower rate fails.
+``fail_free=True`` / ``fail_free=n``
+    ``True`` makes every :meth:`~SimDevice.free_segment` raise
+    :class:`~gpumem.errors.DriverError` until cleared; an int ``n`` fails only the next ``n``
+    calls. A failed free leaves the segment allocated (the driver did not free it), so a retry
+    can succeed.
+``fail_kind``
+    ``"oom"`` (default): injected allocation failures raise ``DriverOutOfMemory``; ``"error"``:
+    they raise a plain ``DriverError`` (code ``SIM_ERROR_INJECTED``), to test that a non-OOM
+    driver failure is not mistaken for memory pressure.
+
+Injected exceptions carry ``exc.injected = True``; genuine ones ``exc.injected = False``.
+"""
+from __future__ import annotations
+
+import math
+import mmap
+import numbers
+import operator
+import platform
+import random
+import sys
+import threading
+from collections import deque
+from typing import Any, NamedTuple
+
+from gpumem.backends.base import Device, DeviceProperties
+from gpumem.errors import DriverError, DriverOutOfMemory, InvalidInputError
+from gpumem.units import format_bytes, parse_size
+from gpumem_sim._ranges import RangeAllocator
+
+__all__ = [
+    "SimDevice", "SimCall", "SimSegment",
+    "SIM_ERROR_OUT_OF_MEMORY", "SIM_ERROR_INJECTED", "MAX_CAPACITY", "MAX_ALIGNMENT",
+]
+
+#: Driver codes carried by the exceptions (numbers chosen to match CUDA's OOM / UNKNOWN).
+SIM_ERROR_OUT_OF_MEMORY = (2, "SIM_ERROR_OUT_OF_MEMORY")
+SIM_ERROR_INJECTED = (999, "SIM_ERROR_INJECTED")
+
+#: Largest simulated device (256 TiB) and largest segment alignment (1 GiB): sanity bounds that
+#: keep every address inside 63 bits.
+MAX_CAPACITY = 1 << 48
+MAX_ALIGNMENT = 1 << 30
+
+#: How many entries :attr:`SimDevice.calls` keeps (the oldest are dropped), so long replays do
+#: not grow the log without bound.
+CALL_LOG_LIMIT = 100_000
+
+_UNSET: Any = object()
+
+# --- process-wide address windows ---------------------------------------------------------------
+# Each SimDevice reserves its own window when it is constructed, so no two devices ever share an
+# address (installed or not, replaced or not), and the first device of a process always starts at
+# 0x7f0000000000. Windows are whole TiB and separated by a 1 TiB guard gap.
+_WINDOW_UNIT = 1 << 40
+_FIRST_WINDOW = 0x7F00_0000_0000
+_ADDRESS_LIMIT = 1 << 63
+_window_lock = threading.Lock()
+_next_window = _FIRST_WINDOW
+
+
+def _reserve_window(capacity: int) -> int:
+    global _next_window
+    span = -(-capacity // _WINDOW_UNIT) * _WINDOW_UNIT
+    with _window_lock:
+        if _next_window + span > _ADDRESS_LIMIT:  # after ~8 million devices: wrap around
+            _next_window = _FIRST_WINDOW
+        base = _next_window
+        _next_window += span + _WINDOW_UNIT
+    return base
+
+
+# Anonymous mappings are zero-filled lazily by the OS, so backing a large segment costs host
+# memory only for the pages a test actually writes. MAP_NORESERVE (Linux x86-64/arm64 value)
+# keeps the kernel from refusing a large, mostly untouched mapping.
+_MMAP_KW: dict[str, int] = {}
+if sys.platform.startswith("linux") and platform.machine() in ("x86_64", "aarch64", "AMD64"):
+    _MMAP_KW = {"flags": mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | 0x4000}
+
+
+class SimCall(NamedTuple):
+    """One driver call in :attr:`SimDevice.calls`, so tests can check the order of a recovery
+    ladder. ``op`` is ``"alloc"``, ``"free"`` or ``"synchronize"``; ``nbytes`` is the requested
+    size (alloc) or the segment's size (free); ``outcome`` is ``"ok"``, ``"oom"`` (genuine),
+    ``"injected_oom"``, ``"injected_error"``."""
+
+    op: str
+    nbytes: int
+    handle: int | None
+    outcome: str
+
+
+class SimSegment(NamedTuple):
+    """A live segment: ``base`` is its address, ``nbytes`` what was asked for, ``reserved`` the
+    bytes it takes from the device (``nbytes`` rounded up to the alignment)."""
+
+    handle: int
+    base: int
+    nbytes: int
+    reserved: int
+
+
+# --- argument validation ------------------------------------------------------------------------
+def _int_arg(value: Any, what: str, *, minimum: int | None = 0) -> int:
+    if isinstance(value, bool) or isinstance(value, str) or not hasattr(type(value), "__index__"):
+        raise InvalidInputError(f"{what} must be an int, got {type(value).__name__} {value!r}")
+    v = operator.index(value)
+    if minimum is not None and v < minimum:
+        raise InvalidInputError(f"{what} must be >= {minimum}, got {v}")
+    return v
+
+
+def _size_arg(value: Any, what: str) -> int:
+    if not isinstance(value, (bool, str, int)) and hasattr(type(value), "__index__"):
+        value = operator.index(value)  # numpy integers
+    return parse_size(value, what=what)
+
+
+def _rate_arg(value: Any, what: str = "fail_rate") -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise InvalidInputError(
+            f"{what} must be a probability (a float in [0, 1]), got {type(value).__name__} {value!r}")
+    v = float(value)
+    if math.isnan(v) or not 0.0 <= v <= 1.0:
+        raise InvalidInputError(f"{what} must be a probability in [0, 1], got {value!r}")
+    return v
+
+
+def _fail_after_arg(value: Any) -> int | None:
+    if value is None:
+        return None
+    return _int_arg(value, "fail_after")
+
+
+def _fail_free_arg(value: Any) -> float:
+    """Number of frees still to fail: ``inf`` for True, ``0`` for False."""
+    if value is True:
+        return math.inf
+    if value is False or value is None:
+        return 0
+    return _int_arg(value, "fail_free (True, False or a number of frees to fail)")
+
+
+def _fail_kind_arg(value: Any) -> str:
+    if value not in ("oom", "error"):
+        raise InvalidInputError(f"fail_kind must be 'oom' or 'error', got {value!r}")
+    return value
+
+
+def _bytes_view(buf: Any, what: str, *, writable: bool) -> memoryview:
+    try:
+        mv = memoryview(buf)
+    except TypeError:
+        raise InvalidInputError(
+            f"{what} must support the buffer protocol (bytes, bytearray, memoryview, numpy "
+            f"array), got {type(buf).__name__}") from None
+    if not mv.c_contiguous:
+        raise InvalidInputError(f"{what} must be C-contiguous")
+    if writable and mv.readonly:
+        raise InvalidInputError(f"{what} is read-only; copy_to_host needs a writable buffer")
+    if mv.format == "B" and mv.ndim == 1:
+        return mv
+    try:
+        return mv.cast("B")
+    except (TypeError, ValueError) as e:
+        raise InvalidInputError(
+            f"{what} cannot be viewed as bytes ({e}); pass a byte view such as "
+            f"arr.view(numpy.uint8)") from None
+
+
+class _Segment:
+    __slots__ = ("handle", "offset", "nbytes", "reserved", "store")
+
+    def __init__(self, handle: int, offset: int, nbytes: int, reserved: int,
+                 store: mmap.mmap | None) -> None:
+        self.handle = handle
+        self.offset = offset        # from the device base
+        self.nbytes = nbytes
+        self.reserved = reserved
+        self.store = store
+
+
+class SimDevice(Device):
+    """A simulated GPU with ``capacity`` bytes (an int or a string such as ``"16GiB"``).
+
+    - Segments are ranges of a private address window starting at :attr:`base_address`; each
+      starts on an ``alignment`` boundary and reserves its size rounded up to ``alignment``.
+      Placement is best-fit, so the address space fragments and an allocation fails with
+      ``DriverOutOfMemory`` when no *contiguous* range fits, even if enough bytes are free.
+    - ``mem_get_info()`` is exact: ``(capacity - other_process_bytes - live reserved bytes,
+      capacity)``. ``other_process_bytes`` is memory held by other processes (not in this
+      address window), changeable with :meth:`set_other_process_bytes`.
+    - ``back_memory=True`` backs each segment with zero-filled host bytes, so copies and memset
+      work and tests can detect overlap; otherwise those calls raise ``InvalidInputError``.
+    - Streams are ints (0 is the default stream). Work is simulated: :meth:`submit` queues work
+      items on a stream, :meth:`complete` finishes them, :meth:`stream_idle` reports whether any
+      remain. Copies are synchronous and never advance these queues: tests drive them.
+    - Fault injection: see the module docstring (``fail_after``, ``fail_rate`` with ``seed``,
+      ``fail_free``, ``fail_kind``).
+    - Counters (``alloc_calls``, ``free_calls``, ``failed_allocs``, ``injected_failures``,
+      ``failed_frees``, ``synchronize_calls``, ``mem_get_info_calls``, ``peak_live_bytes``,
+      ``live_segments``, ``live_bytes``) and the :attr:`calls` log let tests observe the
+      driver traffic of the code under test.
+
+    ``index`` is -1 until :func:`gpumem_sim.install` gives the device its ``sim:N`` name. All
+    methods are thread-safe (one lock per device).
+    """
+
+    backend = "sim"
+
+    def __init__(self, capacity: int | str, *, alignment: int = 256, name: str | None = None,
+                 other_process_bytes: int | str = 0, back_memory: bool = False, seed: int = 0,
+                 fail_after: int | None = None, fail_rate: float = 0.0,
+                 fail_free: bool | int = False, fail_kind: str = "oom") -> None:
+        cap = _size_arg(capacity, "capacity")
+        if cap <= 0:
+            raise InvalidInputError(f"capacity must be > 0 bytes, got {cap}")
+        if cap > MAX_CAPACITY:
+            raise InvalidInputError(
+                f"capacity must be at most {format_bytes(MAX_CAPACITY)}, got {format_bytes(cap)}")
+        align = _int_arg(alignment, "alignment", minimum=1)
+        if align & (align - 1) or align > MAX_ALIGNMENT:
+            raise InvalidInputError(
+                f"alignment must be a power of two between 1 and {MAX_ALIGNMENT}, got {align}")
+        if name is not None and (not isinstance(name, str) or not name.strip()):
+            raise InvalidInputError(f"name must be a non-empty string or None, got {name!r}")
+        other = _size_arg(other_process_bytes, "other_process_bytes")
+        if other > cap:
+            raise InvalidInputError(
+                f"other_process_bytes ({other}) cannot exceed capacity ({cap})")
+        if not isinstance(back_memory, bool):
+            raise InvalidInputError(f"back_memory must be True or False, got {back_memory!r}")
+        seed_v = _int_arg(seed, "seed", minimum=None)
+
+        self._lock = threading.Lock()
+        self.index: int = -1
+        self._capacity = cap
+        self._alignment = align
+        self._name = name if name is not None else f"SimDevice {format_bytes(cap)}"
+        self._back_memory = back_memory
+        self._base = _reserve_window(cap)
+        self._ranges = RangeAllocator(cap)
+        self._segments: dict[int, _Segment] = {}
+        self._next_handle = 1
+        self._other = other
+        self._live_bytes = 0
+
+        self._seed = seed_v
+        self._rng = random.Random(seed_v)
+        self._fail_after_left: int | None = _fail_after_arg(fail_after)
+        self._fail_rate = _rate_arg(fail_rate)
+        self._fail_free_left: float = _fail_free_arg(fail_free)
+        self._fail_kind = _fail_kind_arg(fail_kind)
+
+        # streams: submitted and completed work-item counts; 0 is the default stream
+        self._submitted: dict[int, int] = {0: 0}
+        self._completed: dict[int, int] = {0: 0}
+        self._next_stream = 1
+        self._events: dict[int, tuple[int, int]] = {}
+        self._next_event = 1
+
+        self._calls: deque[SimCall] = deque(maxlen=CALL_LOG_LIMIT)
+        self.alloc_calls = 0
+        self.free_calls = 0
+        self.failed_allocs = 0
+        self.injected_failures = 0
+        self.failed_frees = 0
+        self.synchronize_calls = 0
+        self.mem_get_info_calls = 0
+        self.peak_live_bytes = 0
+
+    # --- read-only configuration --------------------------------------------------------------
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    @property
+    def alignment(self) -> int:
+        return self._alignment
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def back_memory(self) -> bool:
+        return self._back_memory
+
+    @property
+    def seed(self) -> int:
+        return self._seed
+
+    @property
+    def base_address(self) -> int:
+        """First address of this device's window; segments lie in ``[base, base + capacity)``."""
+        return self._base
+
+    @property
+    def other_process_bytes(self) -> int:
+        return self._other
+
+    @property
+    def device_string(self) -> str:
+        return f"sim:{self.index}" if self.index >= 0 else "sim:? (not installed)"
+
+    def __repr__(self) -> str:
+        return (f"<SimDevice {self.device_string} {self._name!r} capacity={self._capacity} "
+                f"live_segments={len(self._segments)} live_bytes={self._live_bytes}>")
+
+    # --- observation ------------------------------------------------------------------------------
+    @property
+    def live_segments(self) -> int:
+        """Number of segments allocated and not yet freed."""
+        return len(self._segments)
+
+    @property
+    def live_bytes(self) -> int:
+        """Bytes reserved by live segments (each rounded up to the alignment)."""
+        return self._live_bytes
+
+    @property
+    def calls(self) -> list[SimCall]:
+        """The driver calls so far (alloc, free, synchronize), oldest first; the last
+        ``CALL_LOG_LIMIT`` are kept."""
+        with self._lock:
+            return list(self._calls)
+
+    def clear_calls(self) -> None:
+        """Empty :attr:`calls` (counters are kept; see :meth:`reset_counters`)."""
+        with self._lock:
+            self._calls.clear()
+
+    def reset_counters(self) -> None:
+        """Zero every call counter and empty :attr:`calls`; live state is untouched."""
+        with self._lock:
+            self._calls.clear()
+            self.alloc_calls = self.free_calls = self.failed_allocs = 0
+            self.injected_failures = self.failed_frees = 0
+            self.synchronize_calls = self.mem_get_info_calls = 0
+            self.peak_live_bytes = self._live_bytes
+
+    def segments(self) -> list[SimSegment]:
+        """Every live segment, in address order."""
+        with self._lock:
+            segs = sorted(self._segments.values(), key=lambda s: s.offset)
+            return [SimSegment(s.handle, self._base + s.offset, s.nbytes, s.reserved) for s in segs]
+
+    def largest_free_range(self) -> int:
+        """Largest contiguous free part of the address window: the biggest segment that could
+        be placed if physical memory allowed it."""
+        with self._lock:
+            return self._ranges.largest()
+
+    @property
+    def faults(self) -> dict[str, Any]:
+        """The armed faults: ``fail_after_left`` (allocations still allowed, or None),
+        ``fail_rate``, ``fail_free_left`` (inf, a count, or 0) and ``fail_kind``."""
+        with self._lock:
+            return {"fail_after_left": self._fail_after_left, "fail_rate": self._fail_rate,
+                    "fail_free_left": self._fail_free_left, "fail_kind": self._fail_kind}
+
+    # --- test controls --------------------------------------------------------------------------
+    def inject(self, *, fail_after: int | None = _UNSET, fail_rate: float = _UNSET,
+               fail_free: bool | int = _UNSET, fail_kind: str = _UNSET,
+               seed: int = _UNSET) -> None:
+        """Arm faults at run time; only the arguments given change. ``fail_after=n`` starts a
+        new count (the next ``n`` allocation calls pass); ``seed`` restarts the random stream.
+        All arguments are validated before anything changes."""
+        after = _fail_after_arg(fail_after) if fail_after is not _UNSET else _UNSET
+        rate = _rate_arg(fail_rate) if fail_rate is not _UNSET else _UNSET
+        free = _fail_free_arg(fail_free) if fail_free is not _UNSET else _UNSET
+        kind = _fail_kind_arg(fail_kind) if fail_kind is not _UNSET else _UNSET
+        seed_v = _int_arg(seed, "seed", minimum=None) if seed is not _UNSET else _UNSET
+        with self._lock:
+            if after is not _UNSET:
+                self._fail_after_left = after
+            if rate is not _UNSET:
+                self._fail_rate = rate
+            if free is not _UNSET:
+                self._fail_free_left = free
+            if kind is not _UNSET:
+                self._fail_kind = kind
+            if seed_v is not _UNSET:
+                self._seed = seed_v
+                self._rng = random.Random(seed_v)
+
+    def clear_faults(self) -> None:
+        """Disarm every injected fault (the random stream keeps its position)."""
+        with self._lock:
+            self._fail_after_left = None
+            self._fail_rate = 0.0
+            self._fail_free_left = 0
+            self._fail_kind = "oom"
+
+    def set_other_process_bytes(self, nbytes: int | str) -> None:
+        """Simulate other processes taking (or releasing) device memory. They can only take
+        what is free: ``nbytes`` may not exceed ``capacity - live_bytes``."""
+        n = _size_arg(nbytes, "other_process_bytes")
+        with self._lock:
+            room = self._capacity - self._live_bytes
+            if n > room:
+                raise InvalidInputError(
+                    f"other_process_bytes={n} does not fit on {self.device_string}: capacity "
+                    f"{self._capacity} minus {self._live_bytes} bytes in live segments leaves {room}")
+            self._other = n
+
+    # --- Device protocol: queries ------------------------------------------------------------
+    def properties(self) -> DeviceProperties:
+        return DeviceProperties(
+            name=self._name, total_memory=self._capacity, alignment=self._alignment,
+            extra={"simulated": True, "seed": self._seed, "back_memory": self._back_memory,
+                   "base_address": self._base})
+
+    def mem_get_info(self) -> tuple[int, int]:
+        with self._lock:
+            self.mem_get_info_calls += 1
+            return self._capacity - self._other - self._live_bytes, self._capacity
+
+    # --- Device protocol: segments -----------------------------------------------------------
+    def alloc_segment(self, nbytes: int) -> tuple[int, int]:
+        """Reserve ``nbytes`` (rounded up to the alignment) at an aligned address; returns
+        ``(handle, base)``. Handles are never reused, so a stale handle is always detected."""
+        n = _int_arg(nbytes, "nbytes", minimum=1)
+        reserved = -(-n // self._alignment) * self._alignment
+        with self._lock:
+            self.alloc_calls += 1
+            call_no = self.alloc_calls
+            u = self._rng.random()  # one draw per counted call, whatever is armed
+            injected = None
+            if self._fail_after_left is not None:
+                if self._fail_after_left == 0:
+                    injected = f"fail_after: the allowed allocations are used up (call {call_no})"
+                else:
+                    self._fail_after_left -= 1
+            if injected is None and u < self._fail_rate:
+                injected = f"fail_rate={self._fail_rate} (seed {self._seed}, call {call_no})"
+            if injected is not None:
+                self.failed_allocs += 1
+                self.injected_failures += 1
+                if self._fail_kind == "error":
+                    self._calls.append(SimCall("alloc", n, None, "injected_error"))
+                    exc: DriverError = DriverError(
+                        f"{self.device_string}: injected driver error allocating {n} bytes "
+                        f"({injected})", code=SIM_ERROR_INJECTED[0],
+                        code_name=SIM_ERROR_INJECTED[1])
+                else:
+                    self._calls.append(SimCall("alloc", n, None, "injected_oom"))
+                    exc = DriverOutOfMemory(
+                        f"{self.device_string}: out of memory allocating {n} bytes (injected: "
+                        f"{injected})", code=SIM_ERROR_OUT_OF_MEMORY[0],
+                        code_name=SIM_ERROR_OUT_OF_MEMORY[1])
+                exc.injected = True  # type: ignore[attr-defined]
+                raise exc
+
+            free = self._capacity - self._other - self._live_bytes
+            offset = self._ranges.alloc(reserved) if reserved <= free else None
+            if offset is None:
+                self.failed_allocs += 1
+                self._calls.append(SimCall("alloc", n, None, "oom"))
+                if reserved > free:
+                    why = f"{format_bytes(free)} free of {format_bytes(self._capacity)}"
+                else:
+                    why = (f"{format_bytes(free)} free but the address space is fragmented: the "
+                           f"largest contiguous range is {format_bytes(self._ranges.largest())}")
+                oom = DriverOutOfMemory(
+                    f"{self.device_string}: out of memory allocating {format_bytes(n)} "
+                    f"({reserved} bytes reserved): {why}",
+                    code=SIM_ERROR_OUT_OF_MEMORY[0], code_name=SIM_ERROR_OUT_OF_MEMORY[1])
+                oom.injected = False  # type: ignore[attr-defined]
+                raise oom
+
+            store = None
+            if self._back_memory:
+                try:
+                    store = mmap.mmap(-1, reserved, **_MMAP_KW)
+                except (OSError, ValueError, OverflowError) as e:
+                    self._ranges.free(offset, reserved)
+                    self.failed_allocs += 1
+                    self._calls.append(SimCall("alloc", n, None, "oom"))
+                    oom = DriverOutOfMemory(
+                        f"{self.device_string}: cannot back {format_bytes(reserved)} with host "
+                        f"memory ({e}); use back_memory=False for large simulated segments",
+                        code=SIM_ERROR_OUT_OF_MEMORY[0], code_name=SIM_ERROR_OUT_OF_MEMORY[1])
+                    oom.injected = False  # type: ignore[attr-defined]
+                    raise oom from e
+            handle = self._next_handle
+            self._next_handle += 1
+            self._segments[handle] = _Segment(handle, offset, n, reserved, store)
+            self._live_bytes += reserved
+            if self._live_bytes > self.peak_live_bytes:
+                self.peak_live_bytes = self._live_bytes
+            self._calls.append(SimCall("alloc", n, handle, "ok"))
+            return handle, self._base + offset
+
+    def free_segment(self, handle: int) -> None:
+        """Return a segment; its bytes are discarded and its handle becomes unknown. Raises
+        InvalidInputError for an unknown (e.g. already freed) handle and DriverError when a
+        failing free is injected (the segment then stays allocated)."""
+        h = _int_arg(handle, "handle", minimum=None)
+        with self._lock:
+            seg = self._segment(h)
+            self.free_calls += 1
+            if self._fail_free_left > 0:
+                self._fail_free_left -= 1
+                self.failed_frees += 1
+                self._calls.append(SimCall("free", seg.nbytes, h, "injected_error"))
+                exc = DriverError(
+                    f"{self.device_string}: injected failure freeing segment {h} "
+                    f"({seg.nbytes} bytes); the segment is still allocated",
+                    code=SIM_ERROR_INJECTED[0], code_name=SIM_ERROR_INJECTED[1])
+                exc.injected = True  # type: ignore[attr-defined]
+                raise exc
+            del self._segments[h]
+            self._ranges.free(seg.offset, seg.reserved)
+            self._live_bytes -= seg.reserved
+            if seg.store is not None:
+                seg.store.close()
+                seg.store = None
+            self._calls.append(SimCall("free", seg.nbytes, h, "ok"))
+
+    def resolve(self, handle: int, offset: int, nbytes: int) -> int:
+        """The address of ``nbytes`` at ``offset`` in the segment (checked to lie inside it)."""
+        with self._lock:
+            seg = self._checked(handle, offset, nbytes)
+            return self._base + seg.offset + offset
+
+    # --- Device protocol: data movement ----------------------------------------------------
+    def copy_from_host(self, handle: int, offset: int, src: memoryview, stream: int = 0) -> None:
+        mv = _bytes_view(src, "src", writable=False)
+        with self._lock:
+            self._stream(stream)
+            seg = self._checked(handle, offset, mv.nbytes)
+            store = self._store(seg)
+            store[offset:offset + mv.nbytes] = mv
+
+    def copy_to_host(self, handle: int, offset: int, dst: memoryview, stream: int = 0) -> None:
+        mv = _bytes_view(dst, "dst", writable=True)
+        with self._lock:
+            self._stream(stream)
+            seg = self._checked(handle, offset, mv.nbytes)
+            store = self._store(seg)
+            mv[:] = store[offset:offset + mv.nbytes]
+
+    def memset(self, handle: int, offset: int, value: int, nbytes: int, stream: int = 0) -> None:
+        v = _int_arg(value, "value")
+        if v > 255:
+            raise InvalidInputError(f"value must be a byte (0..255), got {v}")
+        with self._lock:
+            self._stream(stream)
+            seg = self._checked(handle, offset, nbytes)
+            store = self._store(seg)
+            chunk = 1 << 20
+            pattern = bytes([v]) * min(chunk, max(nbytes, 1))
+            pos, end = offset, offset + nbytes
+            while pos < end:
+                step = min(chunk, end - pos)
+                store[pos:pos + step] = pattern[:step]
+                pos += step
+
+    # --- Device protocol: streams ----------------------------------------------------------
+    def create_stream(self) -> int:
+        """A new stream; handles are 1, 2, 3... and never reused on this device."""
+        with self._lock:
+            s = self._next_stream
+            self._next_stream += 1
+            self._submitted[s] = 0
+            self._completed[s] = 0
+            return s
+
+    def destroy_stream(self, stream: int) -> None:
+        """Forget a stream; its pending work counts as finished (as a driver drains it). The
+        default stream 0 cannot be destroyed."""
+        with self._lock:
+            s = self._stream(stream)
+            if s == 0:
+                raise InvalidInputError("the default stream 0 cannot be destroyed")
+            del self._submitted[s]
+            del self._completed[s]
+
+    def stream_idle(self, stream: int) -> bool:
+        with self._lock:
+            s = self._stream(stream)
+            return self._completed[s] == self._submitted[s]
+
+    def synchronize(self) -> None:
+        """Finish all work on every stream (logged as a ``"synchronize"`` call)."""
+        with self._lock:
+            for s in self._submitted:
+                self._completed[s] = self._submitted[s]
+            self.synchronize_calls += 1
+            self._calls.append(SimCall("synchronize", 0, None, "ok"))
+
+    # --- simulated work (tests drive it) -----------------------------------------------------
+    def submit(self, stream: int, n: int = 1) -> int:
+        """Queue ``n`` work items on ``stream`` (as launching kernels would); returns the number
+        of items submitted to it so far."""
+        k = _int_arg(n, "n", minimum=1)
+        with self._lock:
+            s = self._stream(stream)
+            self._submitted[s] += k
+            return self._submitted[s]
+
+    def pending(self, stream: int) -> int:
+        """Work items submitted to ``stream`` and not yet completed."""
+        with self._lock:
+            s = self._stream(stream)
+            return self._submitted[s] - self._completed[s]
+
+    def complete(self, stream: int | None = None, n: int | None = None) -> int:
+        """Finish the oldest ``n`` pending items of ``stream`` (all of them when ``n`` is None),
+        or all pending work on every stream when ``stream`` is None. Returns how many items
+        finished. Asking for more items than are pending is an error."""
+        with self._lock:
+            if stream is None:
+                if n is not None:
+                    raise InvalidInputError("complete(): n needs a stream")
+                done = 0
+                for s in self._submitted:
+                    done += self._submitted[s] - self._completed[s]
+                    self._completed[s] = self._submitted[s]
+                return done
+            s = self._stream(stream)
+            left = self._submitted[s] - self._completed[s]
+            k = left if n is None else _int_arg(n, "n")
+            if k > left:
+                raise InvalidInputError(
+                    f"complete(): stream {s} has {left} pending work item(s), asked for {k}")
+            self._completed[s] += k
+            return k
+
+    def record_event(self, stream: int = 0) -> int:
+        """An event that is done once the work submitted to ``stream`` so far has finished."""
+        with self._lock:
+            s = self._stream(stream)
+            e = self._next_event
+            self._next_event += 1
+            self._events[e] = (s, self._submitted[s])
+            return e
+
+    def event_done(self, event: int) -> bool:
+        """True when the work before the event has finished (or its stream was destroyed)."""
+        with self._lock:
+            try:
+                s, ticket = self._events[event]
+            except (KeyError, TypeError):
+                raise InvalidInputError(f"unknown event {event!r} on {self.device_string}") from None
+            if s not in self._completed:
+                return True
+            return self._completed[s] >= ticket
+
+    def close(self) -> None:
+        """Nothing to release: segments stay allocated until freed (idempotent)."""
+
+    # --- helpers (call with the lock held) ---------------------------------------------------
+    def _stream(self, stream: Any) -> int:
+        if isinstance(stream, bool) or not isinstance(stream, int) or stream not in self._submitted:
+            known = ", ".join(str(s) for s in self._submitted)
+            raise InvalidInputError(
+                f"unknown stream {stream!r} on {self.device_string}; streams: {known}")
+        return stream
+
+    def _segment(self, handle: Any) -> _Segment:
+        seg = self._segments.get(handle) if isinstance(handle, int) else None
+        if seg is None or isinstance(handle, bool):
+            raise InvalidInputError(
+                f"unknown segment handle {handle!r} on {self.device_string} (never allocated "
+                f"or already freed)")
+        return seg
+
+    def _checked(self, handle: Any, offset: Any, nbytes: Any) -> _Segment:
+        seg = self._segment(handle)
+        off = _int_arg(offset, "offset")
+        n = _int_arg(nbytes, "nbytes")
+        if off + n > seg.nbytes:
+            raise InvalidInputError(
+                f"range [{off}, {off + n}) is outside segment {seg.handle} of {seg.nbytes} bytes "
+                f"on {self.device_string}")
+        return seg
+
+    def _store(self, seg: _Segment) -> mmap.mmap:
+        if seg.store is None:
+            raise InvalidInputError(
+                f"{self.device_string} was created with back_memory=False, so its segments hold "
+                f"no bytes to copy or set; use SimDevice(..., back_memory=True)")
+        return seg.store
