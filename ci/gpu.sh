@@ -1,0 +1,136 @@
+#!/usr/bin/env bash
+# Run gpumem's tests and the CUDA benchmark comparison on a machine with an NVIDIA GPU.
+#
+#   ci/gpu.sh                    # from anywhere; works in the repository root
+#
+# Environment knobs:
+#   PYTHON=python3.11            interpreter used to create the venv (default: python3)
+#   VENV=.venv-gpu               venv directory (default: .venv-gpu in the repository root)
+#   PYTEST_WORKERS=4             pytest-xdist workers (default: 4)
+#   GPUMEM_TEST_BACKENDS=...     backends under test (default: sim,cpu,cuda)
+#   ALLOW_NO_CUDA=1              run anyway when the CUDA backend reports itself unavailable
+#
+# Exit status: non-zero if the tests fail (or CUDA is unavailable without ALLOW_NO_CUDA=1).
+# The benchmark comparison is informative only; its failure is reported, not fatal.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+
+PYTHON="${PYTHON:-python3}"
+VENV="${VENV:-.venv-gpu}"
+WORKERS="${PYTEST_WORKERS:-4}"
+BACKENDS="${GPUMEM_TEST_BACKENDS:-sim,cpu,cuda}"
+REPORT_DIR="${REPORT_DIR:-$ROOT/ci-reports}"
+mkdir -p "$REPORT_DIR"
+
+log() { printf '\n=== %s ===\n' "$*"; }
+
+# --- 1. GPU present? ------------------------------------------------------------------------
+log "GPU"
+if command -v nvidia-smi >/dev/null 2>&1; then
+    GPU_MODEL="$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader \
+                 2>/dev/null | head -n 1 || true)"
+    nvidia-smi || true
+else
+    GPU_MODEL=""
+    echo "nvidia-smi not found"
+fi
+GPU_MODEL="${GPU_MODEL:-unknown (nvidia-smi unavailable)}"
+
+# --- 2. venv and install ----------------------------------------------------------------------
+log "venv $VENV"
+if [[ ! -x "$VENV/bin/python" ]]; then
+    "$PYTHON" -m venv "$VENV"
+fi
+# shellcheck disable=SC1091
+source "$VENV/bin/activate"
+python -m pip install --quiet --upgrade pip
+# Editable, so the Cython extensions are built in place and the tests import this tree.
+python -m pip install --quiet -e ".[cuda,test]"
+if ! python -c "import gpumem._core.pool" 2>/dev/null; then
+    echo "the Cython core did not build in place; building it now"
+    python setup.py build_ext --inplace
+fi
+
+# --- 3. CUDA backend available? ---------------------------------------------------------------
+log "CUDA backend"
+set +e
+python - <<'EOF'
+import sys
+from gpumem.backends.cuda import BACKEND
+ok, reason = BACKEND.availability()
+if not ok:
+    print(f"CUDA backend unavailable: {reason}")
+    sys.exit(3)
+for i in range(BACKEND.device_count()):
+    dev = BACKEND.open(i)
+    p = dev.properties()
+    free, total = dev.mem_get_info()
+    print(f"cuda:{i}  {p.name}  cc {p.extra.get('compute_capability')}  "
+          f"free {free / 2**30:.2f} GiB of {total / 2**30:.2f} GiB")
+    dev.close()
+EOF
+cuda_rc=$?
+set -e
+if [[ $cuda_rc -ne 0 && "${ALLOW_NO_CUDA:-0}" != "1" ]]; then
+    echo "Refusing to run GPU CI without a working CUDA backend (set ALLOW_NO_CUDA=1 to override)."
+    exit 1
+fi
+
+# --- 4. tests ---------------------------------------------------------------------------------
+log "pytest (GPUMEM_TEST_BACKENDS=$BACKENDS, $WORKERS workers)"
+JUNIT="$REPORT_DIR/pytest-gpu.xml"
+test_rc=0
+GPUMEM_TEST_BACKENDS="$BACKENDS" python -m pytest -n "$WORKERS" tests \
+    --junitxml="$JUNIT" || test_rc=$?
+
+# --- 5. benchmark comparison ------------------------------------------------------------------
+log "benchmark comparison (cuda)"
+bench_status="skipped"
+if [[ -f asv_benchmarks/compare.py ]]; then
+    if python asv_benchmarks/compare.py --backend cuda; then
+        bench_status="ok"
+    else
+        bench_status="failed (exit $?)"
+    fi
+else
+    echo "asv_benchmarks/compare.py not found; skipping the comparison"
+    bench_status="missing compare.py"
+fi
+
+# --- 6. summary -------------------------------------------------------------------------------
+log "summary"
+python - "$JUNIT" "$GPU_MODEL" "$BACKENDS" "$bench_status" "$test_rc" <<'EOF'
+import sys
+import xml.etree.ElementTree as ET
+
+junit, gpu, backends, bench, rc = sys.argv[1:]
+counts = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
+try:
+    root = ET.parse(junit).getroot()
+    suites = [root] if root.tag == "testsuite" else root.findall("testsuite")
+    for s in suites:
+        for k in counts:
+            counts[k] += int(s.get(k, 0))
+except (OSError, ET.ParseError) as exc:
+    print(f"(no junit report: {exc})")
+passed = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
+rows = [
+    ("GPU", gpu),
+    ("backends", backends),
+    ("passed", passed),
+    ("failed", counts["failures"]),
+    ("errors", counts["errors"]),
+    ("skipped", counts["skipped"]),
+    ("pytest exit", rc),
+    ("benchmark compare", bench),
+]
+width = max(len(k) for k, _ in rows)
+print("+" + "-" * (width + 2) + "+" + "-" * 62 + "+")
+for k, v in rows:
+    print(f"| {k:<{width}} | {str(v)[:60]:<60} |")
+print("+" + "-" * (width + 2) + "+" + "-" * 62 + "+")
+EOF
+
+exit "$test_rc"

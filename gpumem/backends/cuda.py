@@ -1,0 +1,616 @@
+"""CUDA backend through ``cuda.bindings.driver`` (the cuda-python driver API, Python level).
+
+Importing this module never touches the driver: ``cuda.bindings`` is imported, and ``cuInit``
+called, only inside :meth:`CudaBackend.availability` / :meth:`CudaBackend.open`. A missing
+package or driver library makes the backend report itself unavailable with the reason.
+
+Conventions of cuda-python relied on here: every driver function returns a tuple whose first
+item is a ``CUresult`` and whose other items are the outputs; pointers (``CUdeviceptr``,
+``CUstream``, ``CUcontext``) convert with ``int()`` and plain ints are accepted where a pointer
+or handle is expected.
+
+Streams are the driver's own ``CUstream`` handle values, so a stream made by another library
+(CuPy ``Stream.ptr``, ``torch.cuda.Stream.cuda_stream``) can be handed to the pool as is;
+``0`` is the legacy default stream.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import weakref
+from typing import Any, Iterator
+
+from gpumem.backends.base import Backend, Device, DeviceProperties
+from gpumem.backends.host import buffer_address, byte_view
+from gpumem.errors import (BackendUnavailableError, DriverError, DriverOutOfMemory,
+                           InvalidDeviceError, InvalidInputError)
+from gpumem.units import GiB, MiB, format_bytes
+
+__all__ = ["CudaBackend", "CudaDevice", "BACKEND", "check", "usable_memory_reserve",
+           "usable_memory", "process_memory_usage", "pinned_alloc", "pinned_free",
+           "load_driver"]
+
+# cuMemAlloc returns pointers aligned to at least 256 bytes (CUDA programming guide,
+# "Device Memory Accesses"), so blocks carved at multiples of this stay aligned for any type.
+CUDA_ALIGNMENT = 256
+
+_INSTALL_HINT = "cuda-python is not installed (pip install gpumem[cuda])"
+
+
+# --------------------------------------------------------------------------------------------
+# Usable-memory reserve
+# --------------------------------------------------------------------------------------------
+def usable_memory_reserve(total: int, *, driver_overhead: int = 500 * MiB,
+                          context_overhead: int = 100 * MiB, fraction: float = 0.10,
+                          cap: int = 2 * GiB) -> int:
+    """Bytes of a device's ``total`` to leave alone when sizing a cache.
+
+    ``reserve = min(cap, driver_overhead + context_overhead + fraction * total)``, and never
+    more than ``total``. The defaults (500 MiB for the driver and its module images, 100 MiB
+    per CUDA context, 10 % of the device for other processes and fragmentation, at most 2 GiB)
+    keep a cache from taking memory the CUDA runtime itself needs later (cuBLAS workspaces,
+    kernel images loaded on first launch).
+    """
+    if total < 0:
+        raise InvalidInputError(f"total must be >= 0 bytes, got {total}")
+    if not 0.0 <= fraction <= 1.0:
+        raise InvalidInputError(f"fraction must be between 0 and 1, got {fraction}")
+    reserve = driver_overhead + context_overhead + int(fraction * total)
+    return max(0, min(reserve, cap, total))
+
+
+def usable_memory(total: int, **kwargs: Any) -> int:
+    """``total - usable_memory_reserve(total, **kwargs)``."""
+    return total - usable_memory_reserve(total, **kwargs)
+
+
+# --------------------------------------------------------------------------------------------
+# Driver loading and the return-code checker
+# --------------------------------------------------------------------------------------------
+def load_driver() -> Any:
+    """Import and return the ``cuda.bindings.driver`` module (or the older ``cuda.cuda``).
+
+    Raises ImportError when cuda-python is not installed; does not call the driver.
+    """
+    try:
+        from cuda.bindings import driver  # cuda-python >= 12.6
+    except ImportError:
+        from cuda import cuda as driver  # type: ignore[no-redef]  # cuda-python < 12.6
+    return driver
+
+
+def _error_name(drv: Any, code: Any) -> str:
+    """The driver's name for a CUresult, e.g. ``CUDA_ERROR_OUT_OF_MEMORY``."""
+    try:
+        err, name = drv.cuGetErrorName(code)
+        if int(err) == 0 and name:
+            return name.decode() if isinstance(name, bytes) else str(name)
+    except Exception:
+        pass
+    return getattr(code, "name", None) or f"CUresult {int(code)}"
+
+
+def _error_string(drv: Any, code: Any) -> str:
+    try:
+        err, text = drv.cuGetErrorString(code)
+        if int(err) == 0 and text:
+            return text.decode() if isinstance(text, bytes) else str(text)
+    except Exception:
+        pass
+    return ""
+
+
+def check(drv: Any, result: Any, what: str) -> Any:
+    """Check one cuda-python call result ``(CUresult, *outputs)``.
+
+    Returns ``None``, the single output, or a tuple of outputs. A non-success code raises
+    :class:`DriverOutOfMemory` for ``CUDA_ERROR_OUT_OF_MEMORY`` and :class:`DriverError`
+    otherwise, both carrying ``code`` and ``code_name``.
+    """
+    if isinstance(result, tuple):
+        code, values = result[0], result[1:]
+    else:
+        code, values = result, ()
+    if int(code) != 0:
+        name = _error_name(drv, code)
+        text = _error_string(drv, code)
+        msg = f"{what} failed: {name}" + (f" ({text})" if text else "")
+        oom = int(drv.CUresult.CUDA_ERROR_OUT_OF_MEMORY)
+        cls = DriverOutOfMemory if int(code) == oom else DriverError
+        raise cls(msg, code=int(code), code_name=name)
+    if not values:
+        return None
+    return values[0] if len(values) == 1 else values
+
+
+# --------------------------------------------------------------------------------------------
+# Backend
+# --------------------------------------------------------------------------------------------
+class CudaBackend(Backend):
+    """NVIDIA GPUs through the CUDA driver API.
+
+    ``driver`` may be given to use another object with the cuda-python driver interface (the
+    tests pass a fake driver to exercise this code without a GPU); by default
+    ``cuda.bindings.driver`` is imported on first use.
+    """
+
+    name = "cuda"
+
+    def __init__(self, driver: Any = None) -> None:
+        self._driver = driver
+        self._lock = threading.Lock()
+        self._probed: tuple[bool, str] | None = None
+        self._count = 0
+
+    # Probe once: whether a driver is present does not change within a process.
+    def availability(self) -> tuple[bool, str]:
+        with self._lock:
+            if self._probed is None:
+                self._probed = self._probe()
+            return self._probed
+
+    def _probe(self) -> tuple[bool, str]:
+        drv = self._driver
+        if drv is None:
+            try:
+                drv = load_driver()
+            except ImportError as exc:
+                return False, f"{_INSTALL_HINT}: {exc}"
+            except Exception as exc:  # a broken install must not crash gpumem.devices()
+                return False, f"cuda-python failed to import: {type(exc).__name__}: {exc}"
+        try:
+            res = drv.cuInit(0)
+        except Exception as exc:
+            # cuda.pathfinder raises DynamicLibNotFoundError (a RuntimeError) at the first
+            # driver call when libcuda.so cannot be loaded.
+            return False, (f"NVIDIA driver library libcuda.so not found or not loadable: "
+                           f"{type(exc).__name__}: {exc}")
+        try:
+            check(drv, res, "cuInit")
+            count = check(drv, drv.cuDeviceGetCount(), "cuDeviceGetCount")
+        except DriverError as exc:
+            if exc.code_name == "CUDA_ERROR_NO_DEVICE":
+                return False, f"no CUDA device found ({exc})"
+            return False, f"the CUDA driver failed to initialise: {exc}"
+        except Exception as exc:
+            return False, f"the CUDA driver failed to initialise: {type(exc).__name__}: {exc}"
+        if int(count) <= 0:
+            return False, "the CUDA driver is loaded but reports no device"
+        self._driver = drv
+        self._count = int(count)
+        return True, ""
+
+    def _require(self) -> Any:
+        ok, reason = self.availability()
+        if not ok:
+            raise BackendUnavailableError(f"backend 'cuda' is unavailable: {reason}")
+        return self._driver
+
+    @property
+    def driver(self) -> Any:
+        """The driver module in use (raises BackendUnavailableError when unavailable)."""
+        return self._require()
+
+    def device_count(self) -> int:
+        self._require()
+        return self._count
+
+    def device_names(self) -> list[str]:
+        drv = self._require()
+        names = []
+        for i in range(self._count):
+            try:
+                dev = check(drv, drv.cuDeviceGet(i), "cuDeviceGet")
+                names.append(f"cuda:{i} ({_device_name(drv, dev)})")
+            except DriverError:
+                names.append(f"cuda:{i}")
+        return names
+
+    def open(self, index: int) -> CudaDevice:
+        drv = self._require()
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < self._count:
+            raise InvalidDeviceError(
+                f"no CUDA device with index {index!r}; {self._count} device(s) here: "
+                f"{', '.join(self.device_names()) or 'none'}")
+        return CudaDevice(drv, index)
+
+
+def _device_name(drv: Any, dev: Any) -> str:
+    raw = check(drv, drv.cuDeviceGetName(256, dev), "cuDeviceGetName")
+    if isinstance(raw, bytes):
+        raw = raw.split(b"\0", 1)[0].decode(errors="replace")
+    return str(raw).strip()
+
+
+def _release_primary(drv: Any, dev: Any) -> None:
+    # Runs from close() or a weakref finalizer: never raises (the driver may be gone at exit).
+    try:
+        drv.cuDevicePrimaryCtxRelease(dev)
+    except Exception:
+        pass
+
+
+# Extra attributes reported in DeviceProperties.extra: (key, attribute enum name).
+_EXTRA_ATTRIBUTES = (
+    ("multiprocessor_count", "CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT"),
+    ("clock_khz", "CU_DEVICE_ATTRIBUTE_CLOCK_RATE"),
+    ("memory_clock_khz", "CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE"),
+    ("memory_bus_width", "CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH"),
+    ("l2_cache_size", "CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE"),
+    ("integrated", "CU_DEVICE_ATTRIBUTE_INTEGRATED"),
+    ("unified_addressing", "CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING"),
+    ("managed_memory", "CU_DEVICE_ATTRIBUTE_MANAGED_MEMORY"),
+    ("memory_pools_supported", "CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED"),
+    ("ecc_enabled", "CU_DEVICE_ATTRIBUTE_ECC_ENABLED"),
+    ("tcc_driver", "CU_DEVICE_ATTRIBUTE_TCC_DRIVER"),
+)
+
+
+class CudaDevice(Device):
+    """One CUDA device through its primary context (the one the runtime, CuPy and PyTorch use).
+
+    The primary context is retained on open and released on :meth:`close`. Each call makes
+    it current on the calling thread only for the duration of the call (push/pop), so a
+    caller's own current context is left as it was. Segments are ``cuMemAlloc`` allocations;
+    a segment's handle is its device pointer.
+    """
+
+    backend = "cuda"
+
+    def __init__(self, driver: Any, index: int) -> None:
+        self._drv = driver
+        self.index = index
+        self._lock = threading.Lock()
+        self._dev = check(driver, driver.cuDeviceGet(index), "cuDeviceGet")
+        self._ctx = check(driver, driver.cuDevicePrimaryCtxRetain(self._dev),
+                          "cuDevicePrimaryCtxRetain")
+        self._ctx_int = int(self._ctx)
+        self._segments: dict[int, int] = {}      # device pointer -> nbytes
+        self._streams: dict[int, Any] = {}       # CUstream value -> CUstream
+        self._closed = False
+        self._props: DeviceProperties | None = None
+        self._finalizer = weakref.finalize(self, _release_primary, driver, self._dev)
+
+    # --- context handling --------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _current(self) -> Iterator[None]:
+        """Make the primary context current on this thread for the duration of a call."""
+        if self._closed:
+            raise InvalidInputError(f"{self.device_string} has been closed")
+        drv = self._drv
+        cur = check(drv, drv.cuCtxGetCurrent(), "cuCtxGetCurrent")
+        if cur is not None and int(cur) == self._ctx_int:
+            yield
+            return
+        check(drv, drv.cuCtxPushCurrent(self._ctx), "cuCtxPushCurrent")
+        try:
+            yield
+        finally:
+            drv.cuCtxPopCurrent()
+
+    def _call(self, what: str, fn: Any, *args: Any) -> Any:
+        with self._current():
+            return check(self._drv, fn(*args), what)
+
+    # --- queries -------------------------------------------------------------------------------
+    def recommended_reserve(self, total: int) -> int:
+        """Driver and context overhead plus an emergency margin (see usable_memory_reserve)."""
+        return usable_memory_reserve(total)
+
+    def properties(self) -> DeviceProperties:
+        if self._props is not None:
+            return self._props
+        drv = self._drv
+        name = _device_name(drv, self._dev)
+        total = int(check(drv, drv.cuDeviceTotalMem(self._dev), "cuDeviceTotalMem"))
+        extra: dict[str, Any] = {}
+        attr = drv.CUdevice_attribute
+        major = check(drv, drv.cuDeviceGetAttribute(
+            attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, self._dev), "cuDeviceGetAttribute")
+        minor = check(drv, drv.cuDeviceGetAttribute(
+            attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, self._dev), "cuDeviceGetAttribute")
+        extra["compute_capability"] = (int(major), int(minor))
+        for key, attr_name in _EXTRA_ATTRIBUTES:
+            # Best effort: some attributes are deprecated or absent in a given driver/toolkit.
+            enum = getattr(attr, attr_name, None)
+            if enum is None:
+                continue
+            try:
+                extra[key] = int(check(drv, drv.cuDeviceGetAttribute(enum, self._dev),
+                                       "cuDeviceGetAttribute"))
+            except DriverError:
+                pass
+        try:
+            bus = check(drv, drv.cuDeviceGetPCIBusId(64, self._dev), "cuDeviceGetPCIBusId")
+            if isinstance(bus, bytes):
+                bus = bus.split(b"\0", 1)[0].decode()
+            extra["pci_bus_id"] = str(bus)
+        except Exception:
+            pass
+        try:
+            version = int(check(drv, drv.cuDriverGetVersion(), "cuDriverGetVersion"))
+            extra["driver_version"] = f"{version // 1000}.{(version % 1000) // 10}"
+        except Exception:
+            pass
+        extra["usable_memory_reserve"] = usable_memory_reserve(total)
+        self._props = DeviceProperties(name=name, total_memory=total, alignment=CUDA_ALIGNMENT,
+                                       extra=extra)
+        return self._props
+
+    def mem_get_info(self) -> tuple[int, int]:
+        free, total = self._call("cuMemGetInfo", self._drv.cuMemGetInfo)
+        return int(free), int(total)
+
+    def process_memory_usage(self) -> int | None:
+        """Bytes this process holds on the device according to NVML, or None if unknown."""
+        bus = self.properties().extra.get("pci_bus_id")
+        return process_memory_usage(self.index, pci_bus_id=bus)
+
+    # --- raw segments ----------------------------------------------------------------------------
+    def alloc_segment(self, nbytes: int) -> tuple[int, int]:
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
+            raise InvalidInputError(f"segment size must be a positive int, got {nbytes!r}")
+        try:
+            ptr = int(self._call("cuMemAlloc", self._drv.cuMemAlloc, nbytes))
+        except DriverOutOfMemory as exc:
+            raise DriverOutOfMemory(
+                f"{self.device_string}: cuMemAlloc of {format_bytes(nbytes)} ({nbytes} bytes) "
+                f"failed: {exc.code_name}", code=exc.code, code_name=exc.code_name) from None
+        with self._lock:
+            self._segments[ptr] = nbytes
+        return ptr, ptr
+
+    def free_segment(self, handle: int) -> None:
+        with self._lock:
+            if handle not in self._segments:
+                raise InvalidInputError(
+                    f"{self.device_string}: unknown segment handle {handle!r} "
+                    f"(not allocated by this device, or already freed)")
+            del self._segments[handle]
+        self._call("cuMemFree", self._drv.cuMemFree, handle)
+
+    def _span(self, handle: int, offset: int, nbytes: int) -> int:
+        with self._lock:
+            size = self._segments.get(handle)
+        if size is None:
+            raise InvalidInputError(f"{self.device_string}: unknown segment handle {handle!r}")
+        if offset < 0 or nbytes < 0 or offset + nbytes > size:
+            raise InvalidInputError(
+                f"{self.device_string}: range [{offset}, {offset + nbytes}) is outside the "
+                f"segment of {size} bytes")
+        return handle + offset
+
+    def resolve(self, handle: int, offset: int, nbytes: int) -> int:
+        return self._span(handle, offset, nbytes)
+
+    def segment_size(self, handle: int) -> int:
+        with self._lock:
+            return self._segments[handle]
+
+    # --- data movement ---------------------------------------------------------------------------
+    def _stream_obj(self, stream: int) -> Any:
+        with self._lock:
+            s = self._streams.get(stream)
+        # Foreign streams (CuPy, PyTorch) are accepted by value; 0 is the legacy default stream.
+        return s if s is not None else self._drv.CUstream(stream)
+
+    def copy_from_host(self, handle: int, offset: int, src: memoryview, stream: int = 0) -> None:
+        mv = byte_view(src)
+        n = mv.nbytes
+        dst = self._span(handle, offset, n)
+        if n == 0:
+            return
+        host_ptr, keep = buffer_address(mv)
+        drv = self._drv
+        s = self._stream_obj(stream)
+        with self._current():
+            check(drv, drv.cuMemcpyHtoDAsync(dst, host_ptr, n, s), "cuMemcpyHtoDAsync")
+            check(drv, drv.cuStreamSynchronize(s), "cuStreamSynchronize")
+        del keep
+
+    def copy_to_host(self, handle: int, offset: int, dst: memoryview, stream: int = 0) -> None:
+        mv = byte_view(dst)
+        if mv.readonly:
+            raise InvalidInputError("copy_to_host: the destination buffer is read-only")
+        n = mv.nbytes
+        src = self._span(handle, offset, n)
+        if n == 0:
+            return
+        host_ptr, keep = buffer_address(mv)
+        drv = self._drv
+        s = self._stream_obj(stream)
+        with self._current():
+            check(drv, drv.cuMemcpyDtoHAsync(host_ptr, src, n, s), "cuMemcpyDtoHAsync")
+            check(drv, drv.cuStreamSynchronize(s), "cuStreamSynchronize")
+        del keep
+
+    def memset(self, handle: int, offset: int, value: int, nbytes: int, stream: int = 0) -> None:
+        if not 0 <= value <= 255:
+            raise InvalidInputError(f"memset value must be a byte 0..255, got {value}")
+        dst = self._span(handle, offset, nbytes)
+        if nbytes == 0:
+            return
+        drv = self._drv
+        s = self._stream_obj(stream)
+        with self._current():
+            check(drv, drv.cuMemsetD8Async(dst, value, nbytes, s), "cuMemsetD8Async")
+            check(drv, drv.cuStreamSynchronize(s), "cuStreamSynchronize")
+
+    # --- streams ---------------------------------------------------------------------------------
+    def create_stream(self) -> int:
+        drv = self._drv
+        flags = drv.CUstream_flags.CU_STREAM_NON_BLOCKING
+        s = self._call("cuStreamCreate", drv.cuStreamCreate, flags)
+        sid = int(s)
+        with self._lock:
+            self._streams[sid] = s
+        return sid
+
+    def destroy_stream(self, stream: int) -> None:
+        with self._lock:
+            s = self._streams.pop(stream, None)
+        if s is None:
+            raise InvalidInputError(
+                f"{self.device_string}: stream {stream!r} was not created by this device")
+        self._call("cuStreamDestroy", self._drv.cuStreamDestroy, s)
+
+    def stream_idle(self, stream: int) -> bool:
+        drv = self._drv
+        with self._current():
+            res = drv.cuStreamQuery(self._stream_obj(stream))
+            code = res[0] if isinstance(res, tuple) else res
+            if int(code) == int(drv.CUresult.CUDA_ERROR_NOT_READY):
+                return False
+            check(drv, res, "cuStreamQuery")
+            return True
+
+    def synchronize(self) -> None:
+        self._call("cuCtxSynchronize", self._drv.cuCtxSynchronize)
+
+    def native_stream(self, stream: int) -> int:
+        """The ``CUstream`` value for ``stream`` (the same int: streams are driver handles)."""
+        return int(self._stream_obj(stream))
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            segments = list(self._segments)
+            streams = list(self._streams.values())
+        # Free what is left, then drop the primary-context reference; failures are ignored
+        # because close() runs on teardown paths.
+        try:
+            with self._current():
+                self._drv.cuCtxSynchronize()
+                for ptr in segments:
+                    self._drv.cuMemFree(ptr)
+                for s in streams:
+                    self._drv.cuStreamDestroy(s)
+        except Exception:
+            pass
+        with self._lock:
+            self._segments.clear()
+            self._streams.clear()
+            self._closed = True
+        self._finalizer()
+
+    def __repr__(self) -> str:
+        return f"<CudaDevice {self.device_string}{' closed' if self._closed else ''}>"
+
+
+# --------------------------------------------------------------------------------------------
+# Pinned host memory (used by the "cpu" backend when CUDA is present)
+# --------------------------------------------------------------------------------------------
+_pinned_lock = threading.Lock()
+_pinned_ctx: tuple[Any, Any] | None = None      # (driver, primary context of device 0)
+
+
+def _pinned_context() -> tuple[Any, Any]:
+    global _pinned_ctx
+    with _pinned_lock:
+        if _pinned_ctx is None:
+            drv = BACKEND._require()
+            dev = check(drv, drv.cuDeviceGet(0), "cuDeviceGet")
+            ctx = check(drv, drv.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
+            _pinned_ctx = (drv, ctx)
+        return _pinned_ctx
+
+
+def _with_ctx(drv: Any, ctx: Any, what: str, fn: Any, *args: Any) -> Any:
+    check(drv, drv.cuCtxPushCurrent(ctx), "cuCtxPushCurrent")
+    try:
+        return check(drv, fn(*args), what)
+    finally:
+        drv.cuCtxPopCurrent()
+
+
+def pinned_alloc(nbytes: int) -> int:
+    """Page-locked host memory from ``cuMemHostAlloc`` (portable across contexts).
+
+    Returns the host address. Raises BackendUnavailableError without CUDA and
+    DriverOutOfMemory when the driver cannot lock that much memory.
+    """
+    if nbytes <= 0:
+        raise InvalidInputError(f"pinned allocation size must be positive, got {nbytes}")
+    drv, ctx = _pinned_context()
+    return int(_with_ctx(drv, ctx, "cuMemHostAlloc", drv.cuMemHostAlloc, nbytes,
+                         drv.CU_MEMHOSTALLOC_PORTABLE))
+
+
+def pinned_free(ptr: int) -> None:
+    """Free memory from :func:`pinned_alloc`."""
+    drv, ctx = _pinned_context()
+    _with_ctx(drv, ctx, "cuMemFreeHost", drv.cuMemFreeHost, ptr)
+
+
+# --------------------------------------------------------------------------------------------
+# NVML: memory used by this process
+# --------------------------------------------------------------------------------------------
+_NVML_NOT_AVAILABLE = (1 << 64) - 1   # NVML_VALUE_NOT_AVAILABLE for unsigned long long
+
+
+def process_memory_usage(index: int = 0, *, pid: int | None = None,
+                         pci_bus_id: str | None = None) -> int | None:
+    """Bytes of device memory NVML attributes to process ``pid`` (default: this one).
+
+    Uses ``cuda.bindings.nvml`` or else ``pynvml``; returns None when neither is importable,
+    NVML cannot be loaded, the process is not listed, or the platform does not report per
+    process usage (e.g. WDDM on Windows). ``pci_bus_id`` picks the device robustly when
+    ``CUDA_VISIBLE_DEVICES`` makes CUDA and NVML indices differ.
+    """
+    pid = os.getpid() if pid is None else pid
+    try:
+        return _nvml_bindings_usage(index, pid, pci_bus_id)
+    except ImportError:
+        pass
+    except Exception:
+        return None
+    try:
+        return _pynvml_usage(index, pid, pci_bus_id)
+    except Exception:
+        return None
+
+
+def _nvml_bindings_usage(index: int, pid: int, pci_bus_id: str | None) -> int | None:
+    from cuda.bindings import nvml
+    nvml.init_v2()
+    try:
+        if pci_bus_id:
+            handle = nvml.device_get_handle_by_pci_bus_id_v2(pci_bus_id)
+        else:
+            handle = nvml.device_get_handle_by_index_v2(index)
+        procs = nvml.device_get_compute_running_processes_v3(handle)
+        if len(procs) == 0:
+            return None
+        pids = procs.pid if len(procs) > 1 else [procs.pid]
+        used = procs.used_gpu_memory if len(procs) > 1 else [procs.used_gpu_memory]
+        return _sum_for_pid(pid, zip(pids, used, strict=True))
+    finally:
+        nvml.shutdown()
+
+
+def _pynvml_usage(index: int, pid: int, pci_bus_id: str | None) -> int | None:
+    import pynvml  # type: ignore[import-not-found]
+    pynvml.nvmlInit()
+    try:
+        if pci_bus_id:
+            handle = pynvml.nvmlDeviceGetHandleByPciBusId(pci_bus_id.encode())
+        else:
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        procs = pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
+        return _sum_for_pid(pid, ((p.pid, p.usedGpuMemory) for p in procs))
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def _sum_for_pid(pid: int, rows: Any) -> int | None:
+    total, seen = 0, False
+    for p, used in rows:
+        if int(p) == pid and used is not None and int(used) != _NVML_NOT_AVAILABLE:
+            total += int(used)
+            seen = True
+    return total if seen else None
+
+
+BACKEND = CudaBackend()
