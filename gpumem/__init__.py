@@ -5,6 +5,8 @@
 >>> buf = mm.malloc(1 << 20)
 >>> buf.free()
 """
+import logging as _logging
+
 from gpumem._core.buffer import Buffer
 from gpumem._core.pool import CachingPool
 from gpumem.backends import devices
@@ -20,6 +22,10 @@ from gpumem.stats import MemoryStats
 from gpumem.units import format_bytes, parse_size
 
 __version__ = "0.1.0"
+
+# A library logs, the application decides where to: without this, Python's last-resort handler
+# would print every WARNING (OOMs, fallbacks) to stderr.
+_logging.getLogger("gpumem").addHandler(_logging.NullHandler())
 
 __all__ = [
     "Buffer", "CachingPool", "MemoryManager", "MemoryConfig", "MemoryStats", "MemoryPressure",

@@ -48,6 +48,8 @@ class MemoryConfig:
     large_split_min: int = 1 * MiB
     oversize_slack: int = 20 * MiB
     max_pool_size: int | None = None        # cached (free) bytes kept; None: no cap
+    release_before_grow: bool = True        # return wholly free segments before growing when
+                                            # they add up to the new segment (keeps reserved low)
     # pressure: fractions of usable memory where MEDIUM, HIGH, CRITICAL begin
     pressure_thresholds: tuple[float, float, float] = (0.60, 0.80, 0.95)
     auto_release_at_high: bool = True       # at HIGH, trim the cache to high_cache_fraction
@@ -61,6 +63,7 @@ class MemoryConfig:
             raise InvalidInputError(
                 f"gpu_memory_fraction must be a number in (0, 1], got {f!r}")
         for name in ("cpu_fallback_enabled", "track_allocations", "track_stacks",
+                     "release_before_grow",
                      "auto_release_at_high", "auto_cleanup_at_critical"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidInputError(f"{name} must be a bool, got {getattr(self, name)!r}")

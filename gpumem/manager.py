@@ -200,6 +200,9 @@ class MemoryManager(ManagerCore):
         """A new segment from the driver, within usable_memory and min_free_bytes."""
         self._release_excess_per_bucket()
         seg_size = self.pool.segment_size(nbytes)
+        if self.config.release_before_grow and self.pool.whole_free_bytes >= seg_size:
+            # the idle segments would outweigh the growth: give them back first
+            self._release_cached(reason="release before grow")
         reserved = self.pool.reserved_bytes
         free, _ = self.device.mem_get_info()
         if not self._segment_allowed(seg_size, reserved, free):

@@ -77,6 +77,7 @@ ctypedef struct gm_stats:
     atomic[size_t] misses
     atomic[size_t] segments_created
     atomic[size_t] segments_released
+    atomic[size_t] whole_free_bytes  # in segments that are one free block (releasable at once)
     atomic[uint64_t] next_serial
 
 ctypedef struct gm_pool:

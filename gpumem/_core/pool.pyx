@@ -247,6 +247,8 @@ cdef int _carve(gm_pool* p, gm_block* b, size_t s, size_t requested, uint64_t st
     keeping, goes back to heap hi. Returns -1 when no block struct could be had."""
     cdef gm_block* r
     cdef size_t in_use
+    if b.offset == 0 and b.next == NULL:
+        gm_sub(p.stats.whole_free_bytes, b.segment.size)
     if _worth_splitting(p, b, s):
         r = _new_block(p)
         if r == NULL:
@@ -347,6 +349,8 @@ cdef int gm_free(gm_pool* p, gm_block* b, uint64_t serial) noexcept nogil:
             b.next.prev = n
         _drop_block(p, b)
         b = n
+    if b.offset == 0 and b.next == NULL:
+        gm_add(p.stats.whole_free_bytes, b.segment.size)
     _heap_insert(h, b, hi)
     _unlock(p)
     return GM_OK
@@ -358,6 +362,8 @@ cdef tuple _detach_segment(gm_pool* p, gm_segment* seg):
     cdef gm_block* b = seg.first
     cdef gm_block* nxt
     cdef tuple desc = (seg.handle, seg.base, seg.size, bool(seg.is_small), seg.stream)
+    if b.next == NULL:
+        gm_sub(p.stats.whole_free_bytes, seg.size)
     while b != NULL:
         nxt = b.next
         _heap_remove(p.heaps[b.heap_index], b)
@@ -558,6 +564,7 @@ cdef class CachingPool:
         gm_add(p.stats.num_segments, 1)
         gm_add(p.stats.segments_created, 1)
         gm_add(p.stats.misses, 1)
+        gm_add(p.stats.whole_free_bytes, seg_size)   # _carve takes it off again
         if _carve(p, b, s, nbytes, stream, hi) < 0:
             _heap_insert(p.heaps[hi], b, hi)   # the segment stays, wholly free
             _unlock(p)
@@ -646,6 +653,7 @@ cdef class CachingPool:
         b.stream = stream
         hi = 2 * k + (0 if is_small else 1)
         _heap_insert(p.heaps[hi], b, hi)
+        gm_add(p.stats.whole_free_bytes, size)
         gm_add(p.stats.reserved_bytes, size)
         gm_add(p.stats.num_segments, 1)
         gm_sub(p.stats.segments_released, 1)
@@ -681,7 +689,13 @@ cdef class CachingPool:
             "misses": st.misses.load(),
             "segments_created": st.segments_created.load(),
             "segments_released": st.segments_released.load(),
+            "whole_free_bytes": st.whole_free_bytes.load(),
         }
+
+    @property
+    def whole_free_bytes(self) -> int:
+        """Bytes in segments that are entirely one free block: releasable without a search."""
+        return self._p.stats.whole_free_bytes.load()
 
     @property
     def reserved_bytes(self) -> int:
@@ -757,7 +771,7 @@ cdef class CachingPool:
         cdef gm_heap* h
         cdef size_t reserved = 0, in_use = 0, requested = 0, nseg = 0, live = 0, seg_live
         cdef size_t list_free_blocks = 0, heap_free_blocks = 0, free_blocks = 0
-        cdef size_t hbytes, hcount, offset
+        cdef size_t hbytes, hcount, offset, whole_free = 0
         cdef int i, c
         cdef bint nonempty
         cdef gm_stats* st
@@ -807,6 +821,8 @@ cdef class CachingPool:
                     else:
                         errors.append(f"block at {b.offset} has a bad heap index {b.heap_index}")
                     b = b.next
+                if s.first != NULL and s.first.next == NULL and s.first.heap_index >= 0:
+                    whole_free += s.size
                 if offset != s.size:
                     errors.append(f"segment {s.handle:#x}: blocks cover {offset} of {s.size} bytes")
                 if seg_live != s.live_blocks:
@@ -848,7 +864,8 @@ cdef class CachingPool:
                     ("in_use_bytes", in_use, st.in_use_bytes.load()),
                     ("requested_bytes", requested, st.requested_bytes.load()),
                     ("active_blocks", live, st.active_blocks.load()),
-                    ("num_segments", nseg, st.num_segments.load())):
+                    ("num_segments", nseg, st.num_segments.load()),
+                    ("whole_free_bytes", whole_free, st.whole_free_bytes.load())):
                 if counted != value:
                     errors.append(f"counter {name} is {value} but a recount gives {counted}")
             if st.num_allocs.load() - st.num_frees.load() != live:
