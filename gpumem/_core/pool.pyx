@@ -459,7 +459,9 @@ cdef class CachingPool:
         if rounded <= self._p.cfg.small_size:
             return self._p.cfg.small_segment
         if rounded < self._p.cfg.large_threshold:
-            return self._p.cfg.large_segment
+            # a whole number of such blocks: same-size requests (the common case) tile the
+            # segment with no tail too small for them
+            return (self._p.cfg.large_segment // rounded) * rounded
         return _round_up(rounded, self._p.cfg.large_round)
 
     def segment_size(self, size_t nbytes) -> int:
