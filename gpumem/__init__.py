@@ -15,9 +15,14 @@ from gpumem.errors import (BackendUnavailableError, ClosedManagerError, DoubleFr
                            DriverError, DriverOutOfMemory, ForeignBufferError, GpuMemoryError,
                            InvalidDeviceError, InvalidInputError, OutOfMemoryError,
                            TraceFormatError)
+from gpumem.batch import BufferBatch, allocate_batch, warmup
+from gpumem.estimate import (MODEL_PRESETS, MemoryEstimate, estimate_inference_memory,
+                             estimate_model)
 from gpumem.fallback import FallbackBuffer
 from gpumem.manager import MemoryManager
+from gpumem.multi import MultiDeviceManager
 from gpumem.pressure import MemoryPressure
+from gpumem.selection import select_backend_for_model
 from gpumem.stats import MemoryStats
 from gpumem.units import format_bytes, parse_size
 
@@ -29,7 +34,9 @@ _logging.getLogger("gpumem").addHandler(_logging.NullHandler())
 
 __all__ = [
     "Buffer", "CachingPool", "MemoryManager", "MemoryConfig", "MemoryStats", "MemoryPressure",
-    "FallbackBuffer", "devices", "format_bytes", "parse_size",
+    "FallbackBuffer", "BufferBatch", "MultiDeviceManager", "allocate_batch", "warmup",
+    "estimate_inference_memory", "estimate_model", "MemoryEstimate", "MODEL_PRESETS",
+    "select_backend_for_model", "devices", "format_bytes", "parse_size",
     "GpuMemoryError", "OutOfMemoryError", "InvalidInputError", "InvalidDeviceError",
     "DoubleFreeError", "ForeignBufferError", "ClosedManagerError", "BackendUnavailableError",
     "DriverError", "DriverOutOfMemory", "TraceFormatError",

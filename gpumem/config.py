@@ -191,7 +191,22 @@ class MemoryConfig:
                 raise InvalidInputError(f"{key}={env[key]!r}: {exc}") from None
         if "GPUMEM_DEBUG" in env and "GPUMEM_TRACK_ALLOCATIONS" not in env:
             changes["track_allocations"] = env["GPUMEM_DEBUG"] not in ("", "0", "false", "False")
-        return base.replace(**changes)
+        try:
+            return base.replace(**changes)
+        except InvalidInputError as exc:
+            # name the variable: the user may never have built a MemoryConfig themselves
+            culprits = [n for n in changes if not _valid_alone(base, n, changes[n])]
+            names = ", ".join(f"GPUMEM_{n.upper()}={env.get('GPUMEM_' + n.upper(), '')!r}"
+                              for n in culprits) or "GPUMEM_* variables"
+            raise InvalidInputError(f"{names}: {exc}") from None
+
+
+def _valid_alone(base: MemoryConfig, name: str, value: Any) -> bool:
+    try:
+        base.replace(**{name: value})
+    except InvalidInputError:
+        return False
+    return True
 
 
 _BOOLS = {"1": True, "true": True, "yes": True, "on": True,

@@ -159,8 +159,8 @@ class MemoryManager(ManagerCore):
             if self._closed:
                 raise ClosedManagerError(f"the manager for {self.device_string} is closed")
             self._ensure_stream(stream)
-            if nbytes > self.total_memory:
-                return None                       # never fits: no driver call
+            if nbytes > self.usable_memory:
+                return None                       # can never fit: no driver call, cache kept
             buf = self._alloc_cached(nbytes, stream, tag)
             if buf is None:
                 buf = self._from_idle_streams(nbytes, stream, tag)
@@ -249,10 +249,15 @@ class MemoryManager(ManagerCore):
         with self._slow:
             if self.pool.reserved_bytes == self.pool.in_use_bytes:
                 return 0
-            self.device.synchronize()             # no pending work may touch what we free
             kwargs = {} if max_bytes is None else {"max_bytes": max_bytes}
-            released = self._release_segments(self.pool.release_free_segments(**kwargs))
+            detached = self.pool.release_free_segments(**kwargs)
+            if not detached:
+                return 0
+            self.device.synchronize()             # no pending work may touch what we free
+            released = self._release_segments(detached)
             if released:
+                log.debug("%s: released %s (%s)", self.device_string, format_bytes(released),
+                          reason)
                 self._update_pressure()
             return released
 
@@ -268,7 +273,9 @@ class MemoryManager(ManagerCore):
         if limit is None:
             return
         pooled = self.pool.reserved_bytes - self.pool.in_use_bytes
-        if pooled > limit:
+        # whole_free_bytes is a C counter: no search (and no synchronize) on each free when
+        # the cached bytes sit in partly used segments and nothing can be released
+        if pooled > limit and self.pool.whole_free_bytes:
             self._release_cached(pooled - limit, reason="max_pool_size")
 
     # --- OOM ------------------------------------------------------------------------------------
@@ -415,7 +422,11 @@ class MemoryManager(ManagerCore):
         log.debug("%s pressure %s -> %s (%.1f%%)", self.device_string, old.name, level.name,
                   100 * ratio)
         for callback in list(self._pressure_callbacks):
-            callback(old, level, ratio)
+            try:
+                callback(old, level, ratio)
+            except Exception as exc:  # an observer must not fail the allocation it observes
+                warnings.warn(f"gpumem: pressure observer {callback!r} raised {exc!r}",
+                              RuntimeWarning)
         if level > old:
             self._respond_to_pressure(level)
 
@@ -470,12 +481,15 @@ class MemoryManager(ManagerCore):
                      tag: Any = None) -> "concurrent.futures.Future[Buffer]":
         """malloc on a worker thread; the Future holds the buffer or the exception."""
         self._check_open()
-        _size_check = self._validated_sizes([nbytes], what="nbytes")  # fail fast, in the caller
+        if isinstance(nbytes, bool) or not hasattr(nbytes, "__index__"):
+            raise TypeError(f"nbytes must be an int, got {type(nbytes).__name__} {nbytes!r}")
+        if nbytes < 0:                                   # fail fast, in the caller's thread
+            raise InvalidInputError(f"nbytes must be >= 0, got {nbytes}")
         with self._slow:
             if self._executor is None:
                 self._executor = concurrent.futures.ThreadPoolExecutor(
                     max_workers=1, thread_name_prefix=f"gpumem-{self.device_string}")
-        return self._executor.submit(self.malloc, _size_check[0], stream=stream, tag=tag)
+        return self._executor.submit(self.malloc, int(nbytes), stream=stream, tag=tag)
 
     # --- seeing memory ----------------------------------------------------------------------------
     def snapshot(self) -> dict:

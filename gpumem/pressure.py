@@ -25,7 +25,7 @@ PressureCallback = Callable[["MemoryPressure", "MemoryPressure", float], None]
 def pressure_level(ratio: float, thresholds: tuple[float, float, float]) -> MemoryPressure:
     """The level for a usage ratio (0..1) given the MEDIUM, HIGH and CRITICAL thresholds."""
     medium, high, critical = thresholds
-    if ratio > critical:
+    if ratio > critical or ratio >= 1.0:      # full is critical whatever the threshold
         return MemoryPressure.CRITICAL
     if ratio >= high:
         return MemoryPressure.HIGH

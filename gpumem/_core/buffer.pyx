@@ -21,6 +21,7 @@ from gpumem.errors import (ClosedManagerError, DoubleFreeError, ForeignBufferErr
                            InvalidInputError)
 
 cdef long long _SIZE_TOO_BIG = 1LL << 62
+_STREAM_LIMIT = 1 << 64
 
 
 cdef long long _size_arg(object nbytes) except -1:
@@ -266,7 +267,7 @@ cdef class ManagerCore:
 
     def _stream_handle(self, stream) -> int:
         """The integer handle of a stream argument; registers new streams after validation."""
-        if type(stream) is int and stream >= 0:
+        if type(stream) is int and 0 <= stream < _STREAM_LIMIT:
             return stream
         if isinstance(stream, bool):
             raise TypeError("stream must be an int handle or a stream object, not a bool")
@@ -276,8 +277,8 @@ cdef class ManagerCore:
         except TypeError:
             raise TypeError(f"stream must be None, an int handle or an object with an int "
                             f"`handle`, got {type(stream).__name__}") from None
-        if handle < 0:
-            raise InvalidInputError(f"stream handle must be >= 0, got {handle}")
+        if not 0 <= handle < _STREAM_LIMIT:
+            raise InvalidInputError(f"stream handle must be in [0, 2**64), got {handle}")
         return handle
 
     # --- used by MemoryManager's slow paths ---------------------------------------------------

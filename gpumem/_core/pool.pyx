@@ -568,7 +568,12 @@ cdef class CachingPool:
         gm_add(p.stats.misses, 1)
         gm_add(p.stats.whole_free_bytes, seg_size)   # _carve takes it off again
         if _carve(p, b, s, nbytes, stream, hi) < 0:
-            _heap_insert(p.heaps[hi], b, hi)   # the segment stays, wholly free
+            # undo the adoption: the caller returns the segment to the driver
+            _heap_insert(p.heaps[hi], b, hi)
+            _detach_segment(p, seg)
+            gm_sub(p.stats.segments_created, 1)
+            gm_sub(p.stats.segments_released, 1)
+            gm_sub(p.stats.misses, 1)
             _unlock(p)
             raise MemoryError("cannot allocate a block record")
         _unlock(p)

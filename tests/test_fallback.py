@@ -1,0 +1,229 @@
+"""CPU fallback: host memory when the device is exhausted, and migration back to the device.
+
+Data integrity is checked byte for byte: a pattern written into a FallbackBuffer must read back
+equal from the device buffer it migrates to. The simulated device backs its segments with host
+bytes (``back_memory=True``) so copies work there; the backend-agnostic tests also run on real
+backends named in ``GPUMEM_TEST_BACKENDS`` (by default only ``sim``), exhausting the device
+through ``gpu_memory_fraction`` rather than by filling it.
+"""
+from __future__ import annotations
+
+import gc
+import os
+
+import numpy as np
+import pytest
+
+import gpumem_sim
+from gpumem import Buffer, FallbackBuffer, MemoryConfig, MemoryManager
+from gpumem.backends import get_backend
+from gpumem.errors import (DoubleFreeError, ForeignBufferError, InvalidInputError,
+                           OutOfMemoryError)
+from gpumem_sim import SimDevice
+
+MiB = 1 << 20
+
+
+@pytest.fixture(autouse=True)
+def clean_registry(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.delenv(gpumem_sim.ENV_VAR, raising=False)
+    gpumem_sim.uninstall()
+    yield
+    gpumem_sim.uninstall()
+
+
+def _backends() -> list[str]:
+    env = os.environ.get("GPUMEM_TEST_BACKENDS", "").strip()
+    names = [n.strip().lower() for n in env.split(",") if n.strip()] or ["sim"]
+    return [n for n in ("sim", "cpu", "opencl", "cuda") if n in names]
+
+
+@pytest.fixture(params=_backends())
+def device(request) -> str:
+    name = request.param
+    if name == "sim":
+        gpumem_sim.install(SimDevice("4GiB", back_memory=True))
+        return "sim:0"
+    ok, reason = get_backend(name).availability()
+    if not ok:
+        pytest.skip(f"backend {name!r} unavailable: {reason}")
+    return "cpu" if name == "cpu" else f"{name}:0"
+
+
+def sim(capacity: int = 256 * MiB, **config) -> tuple[SimDevice, MemoryManager]:
+    dev = SimDevice(capacity, back_memory=True, seed=config.pop("seed", 0))
+    gpumem_sim.install(dev)
+    base = dict(min_free_bytes=0, gpu_memory_fraction=1.0, reserve_bytes=0,
+                cpu_fallback_enabled=True)
+    base.update(config)
+    return dev, MemoryManager("sim:0", MemoryConfig(**base))
+
+
+def pattern(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+
+
+def test_fallback_under_injected_faults_keeps_data_on_migrate():
+    dev, mm = sim()
+    dev.inject(fail_after=0)
+    fb = mm.malloc(3 * MiB + 123, tag="kv")
+    assert isinstance(fb, FallbackBuffer)
+    assert fb.location == "cpu" and fb.device == "cpu" and fb.alive and fb.tag == "kv"
+    data = pattern(fb.nbytes, 1)
+    fb.copy_from_host(data)
+    assert np.array_equal(np.asarray(fb), data)        # host memory: a numpy view
+    st = mm.stats()
+    assert st.cpu_fallbacks == 1 and st.fallback_bytes == fb.nbytes and st.active_buffers == 1
+    dev.clear_faults()                                  # room on the device again
+    buf = fb.migrate_to_device()
+    assert type(buf) is Buffer and buf.location == "device" and buf.device == "sim:0"
+    assert buf.nbytes == 3 * MiB + 123 and buf.tag == "kv"
+    assert np.array_equal(buf.copy_to_host(), data)
+    assert not fb.alive
+    st = mm.stats()
+    assert st.cpu_fallbacks == 1                       # a count of events, kept
+    assert st.fallback_bytes == 0
+    mm.pool.check_invariants()
+
+
+def test_fallback_when_device_full_then_make_room_and_migrate():
+    dev, mm = sim(256 * MiB)
+    held = [mm.malloc(100 * MiB), mm.malloc(100 * MiB)]
+    fb = mm.malloc(100 * MiB)                           # does not fit: host memory
+    assert isinstance(fb, FallbackBuffer)
+    data = pattern(fb.nbytes, 2)
+    fb.copy_from_host(data)
+    with pytest.raises(OutOfMemoryError):
+        fb.migrate_to_device()                          # still no room: nothing changes
+    assert fb.alive and np.array_equal(fb.copy_to_host(), data)
+    assert mm.stats().fallback_bytes == 100 * MiB
+    held.pop().free()
+    buf = fb.migrate_to_device()
+    assert np.array_equal(buf.copy_to_host(), data)
+    assert mm.stats().fallback_bytes == 0 and mm.stats().active_buffers == 2
+
+
+def test_migrate_never_falls_back_again():
+    dev, mm = sim()
+    dev.inject(fail_after=0)
+    fb = mm.malloc(MiB)
+    with pytest.raises(OutOfMemoryError):
+        fb.migrate_to_device()
+    assert mm.stats().cpu_fallbacks == 1                # no second fallback
+    assert fb.alive
+
+
+def test_fallback_on_backend(device: str):
+    """Exhaust usable memory through gpu_memory_fraction on any backend, fall back, make
+    room, migrate, and compare bytes."""
+    probe = MemoryManager(device, MemoryConfig(min_free_bytes=0))
+    total = probe.total_memory
+    probe.close()
+    fraction = min(1.0, 64 * MiB / total)
+    mm = MemoryManager(device, MemoryConfig(min_free_bytes=0, gpu_memory_fraction=fraction,
+                                            reserve_bytes=0))
+    try:
+        usable = mm.usable_memory
+        big = mm.malloc(usable * 3 // 4)
+        fb = mm.malloc(usable // 2)
+        assert isinstance(fb, FallbackBuffer)
+        data = pattern(fb.nbytes, 3)
+        fb.copy_from_host(data)
+        big.free()
+        mm.empty_cache()
+        buf = fb.migrate_to_device()
+        assert buf.device == mm.device_string
+        assert np.array_equal(buf.copy_to_host(), data)
+        assert mm.stats().cpu_fallbacks == 1
+        buf.free()
+    finally:
+        mm.close()
+
+
+def test_with_cpu_fallback_false_makes_oom_raise():
+    dev, mm = sim()
+    mm2 = MemoryManager("sim:0", mm.config.with_cpu_fallback(False))
+    dev.inject(fail_after=0)
+    with pytest.raises(OutOfMemoryError, match="CPU fallback is disabled"):
+        mm2.malloc(MiB)
+    assert mm2.stats().cpu_fallbacks == 0 and mm2.stats().num_ooms == 1
+    assert isinstance(mm.malloc(MiB), FallbackBuffer)   # the same device, fallback on
+
+
+def test_migrate_of_freed_buffer_is_invalid():
+    dev, mm = sim()
+    dev.inject(fail_after=0)
+    fb = mm.malloc(MiB)
+    fb.free()
+    dev.clear_faults()
+    with pytest.raises(InvalidInputError, match="freed"):
+        fb.migrate_to_device()
+    assert mm.stats().active_buffers == 0 and mm.stats().fallback_bytes == 0
+
+
+def test_migrated_buffer_cannot_migrate_again():
+    dev, mm = sim()
+    dev.inject(fail_after=0)
+    fb = mm.malloc(MiB)
+    dev.clear_faults()
+    fb.migrate_to_device()
+    with pytest.raises(InvalidInputError):
+        fb.migrate_to_device()
+
+
+def test_fallback_free_rules():
+    dev, mm = sim()
+    other_dev = SimDevice(64 * MiB)
+    gpumem_sim.install(dev, other_dev)
+    other = MemoryManager("sim:1", MemoryConfig(min_free_bytes=0))
+    dev.inject(fail_after=0)
+    fb = mm.malloc(MiB)
+    with pytest.raises(ForeignBufferError):
+        other.free(fb)
+    mm.free(fb)                                         # through the manager
+    with pytest.raises(DoubleFreeError):
+        fb.free()
+    with mm.malloc(MiB) as fb2:                         # context manager
+        assert fb2.alive
+    assert not fb2.alive
+    assert mm.stats().fallback_bytes == 0 and mm.stats().active_buffers == 0
+
+
+def test_dropped_fallback_buffer_is_accounted():
+    dev, mm = sim()
+    dev.inject(fail_after=0)
+    fb = mm.malloc(MiB)
+    assert mm.stats().fallback_bytes == MiB
+    del fb
+    gc.collect()
+    assert mm.stats().fallback_bytes == 0 and mm.stats().active_buffers == 0
+
+
+def test_many_fallbacks_under_random_faults_keep_their_data():
+    dev, mm = sim(1024 * MiB, seed=3)
+    dev.inject(fail_rate=0.6)
+    bufs = [mm.malloc(12 * MiB + i * 4096) for i in range(24)]
+    datas = []
+    for i, b in enumerate(bufs):
+        d = pattern(b.nbytes, 100 + i)
+        b.copy_from_host(d)
+        datas.append(d)
+    fallbacks = [b for b in bufs if isinstance(b, FallbackBuffer)]
+    assert fallbacks and len(fallbacks) < len(bufs)
+    assert mm.stats().cpu_fallbacks == len(fallbacks)
+    dev.clear_faults()
+    moved = [b.migrate_to_device() if isinstance(b, FallbackBuffer) else b for b in bufs]
+    for b, d in zip(moved, datas):
+        assert type(b) is Buffer
+        assert np.array_equal(b.copy_to_host(), d)
+    assert mm.stats().fallback_bytes == 0
+    mm.pool.check_invariants()
+
+
+def test_fallback_disabled_by_env():
+    dev = SimDevice(64 * MiB)
+    gpumem_sim.install(dev)
+    cfg = MemoryConfig.from_env({"GPUMEM_CPU_FALLBACK_ENABLED": "0", "GPUMEM_MIN_FREE_BYTES": "0"})
+    mm = MemoryManager("sim:0", cfg)
+    with pytest.raises(OutOfMemoryError):
+        mm.malloc(100 * MiB)
