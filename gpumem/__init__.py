@@ -41,3 +41,35 @@ __all__ = [
     "DoubleFreeError", "ForeignBufferError", "ClosedManagerError", "BackendUnavailableError",
     "DriverError", "DriverOutOfMemory", "TraceFormatError",
 ]
+
+# --- seeing memory: loaded on first use, so "import gpumem" stays light (no csv, gzip, plots)
+_LAZY = {
+    "replay": ("gpumem.replay", None),          # the module, callable: gpumem.replay(trace, ...)
+    "ReplayResult": ("gpumem.replay", "ReplayResult"),
+    "read_trace": ("gpumem.trace", "read_trace"),
+    "write_trace": ("gpumem.trace", "write_trace"),
+    "TraceData": ("gpumem.trace", "TraceData"),
+    "take_snapshot": ("gpumem.snapshot", "take_snapshot"),
+    "save_snapshot": ("gpumem.snapshot", "save_snapshot"),
+    "load_snapshot": ("gpumem.snapshot", "load_snapshot"),
+    "AllocationTracker": ("gpumem.tracking", "AllocationTracker"),
+    "BufferMetadata": ("gpumem.tracking", "BufferMetadata"),
+    "HistoryRecorder": ("gpumem.history", "HistoryRecorder"),
+}
+
+
+def __getattr__(name: str):
+    try:
+        module_name, attr = _LAZY[name]
+    except KeyError:
+        raise AttributeError(f"module 'gpumem' has no attribute {name!r}") from None
+    import importlib
+    module = importlib.import_module(module_name)
+    return module if attr is None else getattr(module, attr)
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))
+
+
+__all__ += list(_LAZY)

@@ -31,6 +31,10 @@ __all__ = ["MemoryManager", "OomCallback"]
 
 log = logging.getLogger("gpumem")
 
+#: a miss that needs a new segment warns when the cache holds enough free bytes for the request
+#: but more than this share of them (1 - largest free block / cached) lies in smaller pieces
+FRAGMENTATION_WARNING = 0.30
+
 #: called as ``callback(manager, requested_bytes)`` when a request cannot be served; it may
 #: free memory, after which the request is retried once.
 OomCallback = Callable[["MemoryManager", int], None]
@@ -84,6 +88,7 @@ class MemoryManager(ManagerCore):
         self._host: MemoryManager | None = None
         self._streams: set[int] = {0}
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._frag_warned = False
         self.tracker = None
         if config.track_allocations:
             from gpumem.tracking import AllocationTracker
@@ -198,6 +203,7 @@ class MemoryManager(ManagerCore):
 
     def _grow(self, nbytes: int, stream: int, tag: Any) -> Buffer | None:
         """A new segment from the driver, within usable_memory and min_free_bytes."""
+        self._check_fragmentation(nbytes)
         self._release_excess_per_bucket()
         seg_size = self.pool.segment_size(nbytes)
         if self.config.release_before_grow and self.pool.whole_free_bytes >= seg_size:
@@ -224,6 +230,28 @@ class MemoryManager(ManagerCore):
                   self.device_string, format_bytes(self.pool.reserved_bytes))
         self._update_pressure()
         return buf
+
+    def _check_fragmentation(self, nbytes: int) -> None:
+        """On a miss that needs a new segment: warn when the cache holds enough free bytes for
+        the request but no block large enough, with fragmentation (1 - largest free block /
+        cached) above FRAGMENTATION_WARNING. WARNING once, DEBUG after; re-armed once it falls
+        below half the threshold."""
+        pooled = self.pool.reserved_bytes - self.pool.in_use_bytes
+        if pooled < nbytes or pooled < self.config.large_segment:
+            return
+        largest = self.pool.largest_free_block()
+        if nbytes <= largest:
+            return                                # not fragmentation (size class / stream)
+        frag = 1.0 - largest / pooled
+        if frag > FRAGMENTATION_WARNING:
+            level = logging.DEBUG if self._frag_warned else logging.WARNING
+            self._frag_warned = True
+            log.log(level, "%s: fragmentation %.0f%%: %s cached but the largest free block is "
+                    "%s, so a %s request needs a new segment (MemoryConfig.max_split_size or "
+                    "empty_cache() can help)", self.device_string, 100 * frag,
+                    format_bytes(pooled), format_bytes(largest), format_bytes(nbytes))
+        elif frag < FRAGMENTATION_WARNING / 2:
+            self._frag_warned = False
 
     def _segment_allowed(self, seg_size: int, reserved: int, free: int) -> bool:
         return (reserved + seg_size <= self.usable_memory

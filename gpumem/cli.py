@@ -1,0 +1,528 @@
+"""The ``gpumem`` command (also ``python -m gpumem``).
+
+Commands::
+
+    gpumem info                          devices of every backend, memory and pressure
+    gpumem estimate --model mistral-7b   memory to run a transformer (preset or shape flags)
+    gpumem replay TRACE                  replay an allocation trace through the real pool
+    gpumem snapshot [--load FILE]        segments and blocks of a demo workload or a saved file
+    gpumem plot TRACE OUT.png            live vs reserved memory over a trace
+    gpumem demo                          what the allocator does, on a simulated device
+
+Errors are one line on stderr (``gpumem: error: ...``) and a non-zero exit status: 1 for a bad
+input or a failure, 2 for a usage error or a replay that ran out of memory.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+__all__ = ["main", "build_parser", "DEMO_TRACE"]
+
+#: the small trace shipped with gpumem: step 1 of resnet50_train from ../shared/traces
+#: (buffers live at the start of the step allocated first, everything freed at the end)
+DEMO_TRACE = Path(__file__).resolve().parent / "data" / "resnet50_train_step1.csv.gz"
+
+EXIT_OK = 0
+EXIT_ERROR = 1
+EXIT_USAGE = 2
+EXIT_OOM = 2
+#: traces at least this long get a progress bar when stderr is a terminal
+PROGRESS_MIN_EVENTS = 200_000
+
+
+class CliError(Exception):
+    """A failure to report as one line, with its exit status."""
+
+    def __init__(self, message: str, status: int = EXIT_ERROR) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        hint = f" (see '{self.prog} --help')"
+        raise CliError(f"{message}{hint}", EXIT_USAGE)
+
+
+def _out(text: str = "") -> None:
+    print(text, file=sys.stdout)
+
+
+def _fb(n: float) -> str:
+    from gpumem.units import format_bytes
+    return format_bytes(n)
+
+
+# --- info ---------------------------------------------------------------------------------------------
+def cmd_info(args: argparse.Namespace) -> int:
+    from gpumem.backends import devices, open_device
+    from gpumem.config import MemoryConfig
+    from gpumem.pressure import pressure_level
+
+    config = MemoryConfig.from_env()
+    rows = []
+    for d in devices():
+        row: dict[str, Any] = {"device": d.device, "backend": d.backend,
+                               "available": d.available}
+        if not d.available:
+            row["reason"] = d.reason
+            rows.append(row)
+            continue
+        total, free = d.total_memory, d.free_memory
+        reserve = config.reserve_bytes
+        if reserve is None:
+            try:
+                reserve = open_device(d.device).recommended_reserve(total)
+            except Exception:
+                reserve = 0
+        usable = max(0, min(int(total * config.gpu_memory_fraction), total - reserve))
+        used = max(0, total - free)
+        ratio = min(1.0, used / usable) if usable else 1.0
+        row.update(name=d.name, total_memory=total, free_memory=free, usable_memory=usable,
+                   used_ratio=ratio,
+                   pressure=pressure_level(ratio, config.pressure_thresholds).name)
+        rows.append(row)
+    if args.json:
+        _out(json.dumps(rows, indent=1))
+        return EXIT_OK
+    _out(f"{'device':<10} {'name':<32} {'total':>11} {'free':>11} {'usable':>11}  pressure")
+    for r in rows:
+        if not r["available"]:
+            _out(f"{r['device']:<10} unavailable: {r['reason']}")
+            continue
+        name = r["name"] if len(r["name"]) <= 32 else r["name"][:31] + "~"
+        _out(f"{r['device']:<10} {name:<32} {_fb(r['total_memory']):>11} "
+             f"{_fb(r['free_memory']):>11} {_fb(r['usable_memory']):>11}  "
+             f"{r['pressure']} ({r['used_ratio']:.0%} of usable in use)")
+    _out(f"usable = min(total x gpu_memory_fraction {config.gpu_memory_fraction}, total - "
+         f"reserve); pressure counts memory already in use on the device")
+    return EXIT_OK
+
+
+# --- estimate -----------------------------------------------------------------------------------------
+_SHAPE_FLAGS = ("hidden_size", "intermediate_size", "num_layers", "vocab_size", "num_heads")
+
+
+def cmd_estimate(args: argparse.Namespace) -> int:
+    from gpumem.estimate import (MODEL_PRESETS, estimate_inference_memory, estimate_model,
+                                 parse_dtype)
+    if args.list:
+        _out(f"{'preset':<14} {'parameters':>16}  layers  hidden  heads/kv")
+        for name, shape in sorted(MODEL_PRESETS.items()):
+            _out(f"{name:<14} {shape.parameter_count():>16,}  {shape.num_layers:>6}  "
+                 f"{shape.hidden_size:>6}  {shape.num_heads}/{shape.num_kv_heads}")
+        return EXIT_OK
+    shape_given = [f for f in _SHAPE_FLAGS if getattr(args, f) is not None]
+    if args.model and shape_given:
+        raise CliError("give either --model or the shape flags, not both", EXIT_USAGE)
+    if args.model:
+        est = estimate_model(args.model, args.seq_len, args.batch, args.dtype)
+        what = f"{args.model}"
+    else:
+        missing = [f for f in _SHAPE_FLAGS if getattr(args, f) is None]
+        if missing:
+            raise CliError("give --model NAME (see --list) or every shape flag; missing "
+                           + ", ".join("--" + m.replace("_", "-") for m in missing), EXIT_USAGE)
+        kv = args.num_kv_heads if args.num_kv_heads is not None else args.num_heads
+        est = estimate_inference_memory(
+            args.hidden_size, args.intermediate_size, args.num_layers, args.vocab_size,
+            args.num_heads, kv, args.seq_len, parse_dtype(args.dtype), args.batch,
+            tie_embeddings=args.tie_embeddings, gated_mlp=not args.no_gated_mlp,
+            bias=args.bias, max_position_embeddings=args.max_position_embeddings,
+            norm=args.norm)
+        what = "custom model"
+    if args.json:
+        _out(json.dumps({"model": what, "dtype": args.dtype, "seq_len": args.seq_len,
+                         "batch": args.batch, **est.as_dict()}, indent=1))
+        return EXIT_OK
+    _out(f"{what}, {args.dtype}, batch {args.batch} x {args.seq_len} tokens")
+    _out(str(est))
+    if args.device:
+        from gpumem.manager import MemoryManager
+        from gpumem.replay import open_replay_device
+        with MemoryManager(open_replay_device(args.device)) as mm:
+            usable = mm.usable_memory
+        verdict = "fits" if est.total_bytes <= usable else "does NOT fit"
+        _out(f"{verdict} in the {_fb(usable)} usable on {args.device}")
+    return EXIT_OK
+
+
+# --- replay -------------------------------------------------------------------------------------------
+def _load(trace: str) -> Any:
+    from gpumem.trace import read_trace
+    if trace == "demo":
+        return read_trace(DEMO_TRACE)
+    return read_trace(trace)
+
+
+def _progress_for(n_events: int, flag: bool | None) -> bool:
+    if flag is not None:
+        return flag
+    return n_events >= PROGRESS_MIN_EVENTS and sys.stderr.isatty()
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    from gpumem.replay import replay
+    data = _load(args.trace)
+    if args.list_phases:
+        if not data.phases:
+            _out(f"{data.name}: no phases (no .json sidecar next to the trace)")
+        for p in data.phases:
+            _out(f"{p.name:<14} rows {p.first_row:>7}..{p.end_row:<7} ({len(p):,} events)")
+        return EXIT_OK
+    res = replay(data, args.device, args.config, phase=args.phase,
+                 progress=_progress_for(len(data), args.progress),
+                 record_series=bool(args.plot), snapshot_at="peak" if args.segments else None,
+                 stop_on_oom=False)
+    _out(str(res))
+    _write_outputs(res, args)
+    if res.num_ooms:
+        raise CliError(f"{res.num_ooms:,} allocation(s) of the trace did not fit on "
+                       f"{args.device} ({_fb(res.failed_bytes)} refused); use a larger "
+                       f"device or another --config", EXIT_OOM)
+    return EXIT_OK
+
+
+def _write_outputs(res: Any, args: argparse.Namespace) -> None:
+    if getattr(args, "json", None):
+        _write_json(res.as_dict(), args.json)
+    if getattr(args, "plot", None):
+        from gpumem.plot import plot_timeline
+        _out(f"wrote {plot_timeline(res, args.plot)}")
+    if getattr(args, "segments", None) and res.snapshot is not None:
+        from gpumem.plot import plot_segments
+        _out(f"wrote {plot_segments(res.snapshot, args.segments)}")
+
+
+def _write_json(obj: Any, dest: str) -> None:
+    text = json.dumps(obj, indent=1)
+    if dest == "-":
+        _out(text)
+        return
+    try:
+        Path(dest).write_text(text + "\n", encoding="utf-8")
+    except OSError as exc:
+        raise CliError(f"cannot write {dest}: {exc.strerror or exc}") from None
+    _out(f"wrote {dest}")
+
+
+# --- plot ---------------------------------------------------------------------------------------------
+def cmd_plot(args: argparse.Namespace) -> int:
+    from gpumem.plot import plot_segments, plot_timeline
+    from gpumem.replay import replay
+    data = _load(args.trace)
+    res = replay(data, args.device, args.config, phase=args.phase, record_series=True,
+                 snapshot_at="peak" if args.segments else None,
+                 progress=_progress_for(len(data), None))
+    _out(f"wrote {plot_timeline(res, args.out, x=args.x)}")
+    if args.segments and res.snapshot is not None:
+        _out(f"wrote {plot_segments(res.snapshot, args.segments)}")
+    _out(f"peak live {_fb(res.peak_live_bytes)}, peak reserved {_fb(res.peak_reserved_bytes)} "
+         f"(reserved/live {res.reserved_live_ratio:.3f}), hit rate {res.hit_rate:.1%}")
+    if res.num_ooms:
+        raise CliError(f"{res.num_ooms:,} allocation(s) did not fit on {args.device}", EXIT_OOM)
+    return EXIT_OK
+
+
+# --- snapshot -----------------------------------------------------------------------------------------
+def _demo_workload(mm: Any) -> list:
+    """A few tagged buffers with holes, as a model's weights, activations and scratch would
+    leave them; returns the live buffers (keep them referenced while snapshotting)."""
+    MiB = 1 << 20
+    keep = [mm.malloc(64 * MiB, tag="weights"), mm.malloc(64 * MiB, tag="weights"),
+            mm.malloc(12 * MiB, tag="kv-cache")]
+    acts = [mm.malloc(s * MiB, tag="activations") for s in (3, 5, 3, 6, 2)]
+    small = [mm.malloc(s, tag="scalars") for s in (256, 4096, 512, 100_000, 8)]
+    for b in acts[::2] + small[1::2]:       # holes between live blocks
+        b.free()
+    keep += acts[1::2] + small[0::2]
+    keep.append(mm.malloc(1 * MiB + 300, tag="scratch"))
+    return keep
+
+
+def cmd_snapshot(args: argparse.Namespace) -> int:
+    from gpumem.snapshot import format_snapshot, load_snapshot
+    if args.load:
+        snap = load_snapshot(args.load)
+    else:
+        import gpumem_sim
+        from gpumem.config import MemoryConfig
+        from gpumem.manager import MemoryManager
+        with gpumem_sim.using(gpumem_sim.SimDevice(args.capacity, name="demo sim")):
+            cfg = MemoryConfig(track_allocations=True, min_free_bytes=0)
+            with MemoryManager("sim:0", cfg) as mm:
+                live = _demo_workload(mm)
+                snap = mm.snapshot()
+                for b in live:
+                    b.free()
+    _out(format_snapshot(snap, max_segments=args.max_segments))
+    if args.json:
+        from gpumem.snapshot import save_snapshot
+        if args.json == "-":
+            _out(json.dumps(snap, indent=1))
+        else:
+            try:
+                save_snapshot(snap, args.json)
+            except OSError as exc:
+                raise CliError(f"cannot write {args.json}: {exc.strerror or exc}") from None
+            _out(f"wrote {args.json}")
+    if args.plot:
+        from gpumem.plot import plot_segments
+        _out(f"wrote {plot_segments(snap, args.plot, normalize=args.normalize)}")
+    return EXIT_OK
+
+
+# --- demo ---------------------------------------------------------------------------------------------
+def _demo_step(mm: Any, label: str, fn: Any) -> Any:
+    before = mm.stats()
+    out = fn()
+    after = mm.stats()
+    hits = after.pool_hits - before.pool_hits
+    misses = after.pool_misses - before.pool_misses
+    new_segs = after.segments_created - before.segments_created
+    released = after.segments_released - before.segments_released
+    what = []
+    if hits:
+        what.append(f"{hits} hit{'s' if hits > 1 else ''}")
+    if misses:
+        what.append(f"{misses} miss{'es' if misses > 1 else ''}")
+    if new_segs:
+        what.append(f"+{new_segs} segment{'s' if new_segs > 1 else ''}")
+    if released:
+        what.append(f"-{released} segment{'s' if released > 1 else ''}")
+    _out(f"  {label:<46} {', '.join(what) or 'no pool traffic':<30} "
+         f"in use {_fb(after.in_use_bytes):>10}, reserved {_fb(after.total_allocated_bytes):>10}")
+    return out
+
+
+def _demo_manual(dev: Any) -> None:
+    import gpumem_sim
+    from gpumem.config import MemoryConfig
+    from gpumem.errors import OutOfMemoryError
+    from gpumem.manager import MemoryManager
+    from gpumem.snapshot import format_snapshot
+    MiB, GiB = 1 << 20, 1 << 30
+    with gpumem_sim.using(dev):
+        cfg = MemoryConfig(track_allocations=True, min_free_bytes=0, cpu_fallback_enabled=True)
+        with MemoryManager("sim:0", cfg) as mm:
+            step = lambda label, fn: _demo_step(mm, label, fn)  # noqa: E731
+            a = step("malloc 3 MiB (first request)", lambda: mm.malloc(3 * MiB, tag="act"))
+            b = step("malloc 3 MiB again (same segment)", lambda: mm.malloc(3 * MiB, tag="act"))
+            small = step("malloc 100 x 4 KiB (small pool)",
+                         lambda: [mm.malloc(4096, tag="small") for _ in range(100)])
+            step("free the first 3 MiB buffer", a.free)
+            a = step("malloc 3 MiB (reuses the freed block)",
+                     lambda: mm.malloc(3 * MiB, tag="act"))
+            w = step("malloc 160 MiB of weights (own segment)",
+                     lambda: mm.malloc(160 * MiB, tag="weights"))
+            step("free the small buffers", lambda: [s.free() for s in small])
+            try:
+                step("malloc 1 GiB (more than the device)", lambda: mm.malloc(1 * GiB))
+            except OutOfMemoryError as exc:
+                _out(f"    -> OutOfMemoryError: {exc}")
+            fb = step("malloc 64 MiB (device nearly full: CPU fallback)",
+                      lambda: mm.malloc(64 * MiB, tag="spill"))
+            _out(f"    -> {fb!r}")
+            fb.free()
+            _out("")
+            _out("  " + str(mm.stats()).replace("; ", ";\n  "))
+            leaks = mm.check_leaks()
+            _out(f"  still live (tracked): {len(leaks)} buffer(s): "
+                 + ", ".join(f"{m.tag} {_fb(m.nbytes)}" for m in leaks))
+            _out("")
+            _out("  " + format_snapshot(mm.snapshot(), max_segments=6,
+                                         max_blocks=4).replace("\n", "\n  "))
+            for buf in (a, b, w):
+                buf.free()
+            released = mm.empty_cache()
+            _out(f"  freed everything; empty_cache() returned {_fb(released)} to the device")
+
+
+class _DropWarnings(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno != logging.WARNING
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    import gpumem_sim
+    from gpumem.replay import replay
+
+    _out("gpumem demo: a caching allocator on a simulated GPU (gpumem_sim, no GPU needed)")
+    _out("")
+    _out("1. Hand-made allocations on a simulated 256 MiB device")
+    dev = gpumem_sim.SimDevice("256MiB", name="demo sim 256 MiB")
+    # the OOM and the fallback below are on purpose and printed here: keep their log
+    # warnings for -v
+    quiet = None if args.verbose else _DropWarnings()
+    logger = logging.getLogger("gpumem")
+    if quiet is not None:
+        logger.addFilter(quiet)
+    try:
+        _demo_manual(dev)
+    finally:
+        if quiet is not None:
+            logger.removeFilter(quiet)
+
+    _out("")
+    trace = args.trace or str(DEMO_TRACE)
+    data = _load(trace)
+    _out(f"2. Replay of a real PyTorch allocation trace: {data.name} "
+         f"({len(data):,} events, peak live {_fb(data.peak_live_bytes)})")
+    res = replay(data, args.device, args.config, record_series=bool(args.plot),
+                 snapshot_at="peak", progress=_progress_for(len(data), None))
+    _out("  " + str(res).replace("\n", "\n  "))
+    waste = res.peak_reserved_bytes - res.peak_live_bytes
+    _out(f"  peak reserved exceeds peak live by {_fb(waste)} "
+         f"({res.reserved_live_ratio - 1:.1%}); {res.hit_rate:.1%} of the requests were "
+         f"served from the cache without a driver call")
+    if res.snapshot is not None:
+        from gpumem.snapshot import summarize
+        sm = summarize(res.snapshot)
+        _out(f"  at the peak: {sm['segments']} segments, {sm['allocated_blocks']:,} live blocks, "
+             f"{sm['free_blocks']} free blocks of {_fb(sm['free_bytes'])} (largest "
+             f"{_fb(sm['largest_free_block'])})")
+    if args.plot:
+        from gpumem.plot import plot_segments, plot_timeline
+        p = Path(args.plot)
+        seg_path = p.with_name(p.stem + "_segments" + (p.suffix or ".png"))
+        _out(f"  wrote {plot_timeline(res, p)}")
+        if res.snapshot is not None:
+            _out(f"  wrote {plot_segments(res.snapshot, seg_path)}")
+    if res.num_ooms:
+        raise CliError(f"{res.num_ooms:,} allocation(s) of the trace did not fit on "
+                       f"{args.device}", EXIT_OOM)
+    return EXIT_OK
+
+
+# --- parser -------------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    from gpumem.replay import CONFIG_PRESETS
+    p = _Parser(prog="gpumem", description="gpumem: a caching GPU memory allocator. See what "
+                "it does with your allocations.")
+    p.add_argument("-v", "--verbose", action="count", default=0,
+                   help="show the allocator's DEBUG log (segments grown and released)")
+    from gpumem import __version__
+    p.add_argument("--version", action="version", version=f"gpumem {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+
+    s = sub.add_parser("info", help="devices of every backend with their memory")
+    s.add_argument("--json", action="store_true", help="print JSON")
+    s.set_defaults(func=cmd_info)
+
+    s = sub.add_parser("estimate", help="memory to run a transformer model")
+    s.add_argument("--model", help="a preset, e.g. mistral-7b, llama-3-8b, gpt2 (see --list)")
+    s.add_argument("--list", action="store_true", help="list the presets")
+    s.add_argument("--dtype", default="float16", help="weight/activation dtype (default float16)")
+    s.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (2048)")
+    s.add_argument("--batch", type=int, default=1, help="sequences per batch (1)")
+    s.add_argument("--device", help="also say whether it fits on this device (e.g. cuda:0, "
+                   "sim:24GiB)")
+    s.add_argument("--json", action="store_true", help="print JSON")
+    g = s.add_argument_group("model shape (instead of --model)")
+    g.add_argument("--hidden-size", type=int)
+    g.add_argument("--intermediate-size", type=int)
+    g.add_argument("--num-layers", "--layers", type=int, dest="num_layers")
+    g.add_argument("--vocab-size", type=int)
+    g.add_argument("--num-heads", "--heads", type=int, dest="num_heads")
+    g.add_argument("--num-kv-heads", "--kv-heads", type=int, dest="num_kv_heads",
+                   help="(default: --num-heads)")
+    g.add_argument("--tie-embeddings", action="store_true")
+    g.add_argument("--no-gated-mlp", action="store_true", help="plain up/down MLP (GPT-2)")
+    g.add_argument("--bias", action="store_true")
+    g.add_argument("--max-position-embeddings", type=int, help="learned position table size")
+    g.add_argument("--norm", choices=("rms", "layer"), default="rms")
+    s.set_defaults(func=cmd_estimate)
+
+    def replay_flags(s: argparse.ArgumentParser) -> None:
+        s.add_argument("--device", default="sim:80GiB",
+                       help="sim:<size> for a fresh simulated device, or cuda:0, opencl:0, "
+                            "sim:0, cpu (default sim:80GiB)")
+        s.add_argument("--config", default="default", choices=CONFIG_PRESETS,
+                       help="MemoryConfig preset (CPU fallback off, no free margin)")
+        s.add_argument("--phase", help="replay one phase of the trace (from its .json sidecar)")
+
+    s = sub.add_parser("replay", help="replay an allocation trace through the pool")
+    s.add_argument("trace", help="a t_ns,op,id,size CSV (.gz), or 'demo' for the packaged one")
+    replay_flags(s)
+    s.add_argument("--plot", metavar="PNG", help="write a live/reserved timeline")
+    s.add_argument("--segments", metavar="PNG", help="write the segment map at peak live")
+    s.add_argument("--json", metavar="FILE", help="write the figures as JSON ('-': stdout)")
+    s.add_argument("--list-phases", action="store_true", help="list the trace's phases")
+    pg = s.add_mutually_exclusive_group()
+    pg.add_argument("--progress", dest="progress", action="store_true", default=None,
+                    help="show a progress bar (default: for long traces on a terminal)")
+    pg.add_argument("--no-progress", dest="progress", action="store_false")
+    s.set_defaults(func=cmd_replay)
+
+    s = sub.add_parser("snapshot", help="segments and blocks: of a demo workload or a file")
+    s.add_argument("--load", metavar="FILE", help="a snapshot JSON saved earlier")
+    s.add_argument("--json", metavar="FILE", help="save the snapshot as JSON ('-': stdout)")
+    s.add_argument("--plot", metavar="PNG", help="draw the segments")
+    s.add_argument("--normalize", action="store_true",
+                   help="draw every segment at the same width")
+    s.add_argument("--capacity", default="1GiB", help="demo device size (1GiB)")
+    s.add_argument("--max-segments", type=int, default=30, help="segments listed (30)")
+    s.set_defaults(func=cmd_snapshot)
+
+    s = sub.add_parser("plot", help="plot live vs reserved memory over a trace")
+    s.add_argument("trace", help="a trace file, or 'demo'")
+    s.add_argument("out", help="the PNG to write")
+    replay_flags(s)
+    s.add_argument("--x", choices=("event", "time"), default="event", help="x axis")
+    s.add_argument("--segments", metavar="PNG", help="also draw the segments at peak live")
+    s.set_defaults(func=cmd_plot)
+
+    s = sub.add_parser("demo", help="show what the allocator does, on a simulated device")
+    s.add_argument("--trace", help=f"trace to replay (default: the packaged {DEMO_TRACE.name})")
+    s.add_argument("--device", default="sim:80GiB", help="replay device (sim:80GiB)")
+    s.add_argument("--config", default="default", choices=CONFIG_PRESETS)
+    s.add_argument("--plot", metavar="PNG",
+                   help="write the timeline there and the segment map next to it")
+    s.set_defaults(func=cmd_demo)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status (the console script exits with it)."""
+    from gpumem.errors import GpuMemoryError
+    from gpumem.logging_setup import configure_logging, remove_handler
+    try:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+    except CliError as exc:
+        print(f"gpumem: error: {exc}", file=sys.stderr)
+        return exc.status
+    except SystemExit as exc:       # --help, --version
+        return exc.code if isinstance(exc.code, int) else EXIT_OK
+    if not getattr(args, "func", None):
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
+    handler = configure_logging(args.verbose)
+    try:
+        return args.func(args)
+    except CliError as exc:
+        print(f"gpumem: error: {exc}", file=sys.stderr)
+        return exc.status
+    except BrokenPipeError:
+        return EXIT_ERROR
+    except (GpuMemoryError, OSError) as exc:
+        msg = str(exc) if not isinstance(exc, OSError) or not exc.filename else \
+            f"{exc.filename}: {exc.strerror or exc}"
+        print(f"gpumem: error: {msg}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        print("gpumem: error: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:    # a bug: still one line, with -v the traceback
+        if args.verbose:
+            raise
+        print(f"gpumem: error: unexpected {type(exc).__name__}: {exc} (run with -v for the "
+              f"traceback)", file=sys.stderr)
+        return EXIT_ERROR
+    finally:
+        remove_handler(handler)
