@@ -40,6 +40,16 @@ FRAGMENTATION_WARNING = 0.30
 OomCallback = Callable[["MemoryManager", int], None]
 
 
+def _byte_count(value: Any, what: str) -> int:
+    """An int >= 0 (numpy integers accepted), else a specific error naming `what`."""
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise InvalidInputError(f"{what} must be an int >= 0, got {type(value).__name__} {value!r}")
+    value = int(value)
+    if value < 0:
+        raise InvalidInputError(f"{what} must be >= 0, got {value}")
+    return value
+
+
 class MemoryManager(ManagerCore):
     """Allocates device memory through a caching pool.
 
@@ -194,12 +204,13 @@ class MemoryManager(ManagerCore):
         self._streams.add(stream)
 
     def _from_idle_streams(self, nbytes: int, stream: int, tag: Any) -> Buffer | None:
-        for donor in self.pool.donor_streams(stream, nbytes):
-            if self.device.stream_idle(donor):
-                buf = self._alloc_from_donor(nbytes, stream, donor, tag)
-                if buf is not None:
-                    return buf
-        return None
+        """Blocks cached by streams whose work has finished are merged into `stream`'s heaps
+        (whole segments reappear, so release_before_grow can see them); then retry the cache."""
+        idle = [s for s in self.pool.streams_with_free(stream) if self.device.stream_idle(s)]
+        if not idle:
+            return None
+        self.pool.reclaim_idle(idle, stream)
+        return self._alloc_cached(nbytes, stream, tag)
 
     def _grow(self, nbytes: int, stream: int, tag: Any) -> Buffer | None:
         """A new segment from the driver, within usable_memory and min_free_bytes."""
@@ -236,8 +247,11 @@ class MemoryManager(ManagerCore):
         the request but no block large enough, with fragmentation (1 - largest free block /
         cached) above FRAGMENTATION_WARNING. WARNING once, DEBUG after; re-armed once it falls
         below half the threshold."""
-        pooled = self.pool.reserved_bytes - self.pool.in_use_bytes
-        if pooled < nbytes or pooled < self.config.large_segment:
+        reserved = self.pool.reserved_bytes
+        pooled = reserved - self.pool.in_use_bytes
+        # a cache smaller than two large segments, or a small share of what is held, cannot
+        # be meaningfully fragmented: no warning
+        if pooled < nbytes or pooled < 2 * self.config.large_segment or pooled * 10 < reserved:
             return
         largest = self.pool.largest_free_block()
         if nbytes <= largest:
@@ -378,10 +392,7 @@ class MemoryManager(ManagerCore):
     def shrink(self, target_cached_bytes: int = 0) -> int:
         """Release wholly free segments until at most target bytes stay cached."""
         self._check_open()
-        if isinstance(target_cached_bytes, bool) or not isinstance(target_cached_bytes, int) \
-                or target_cached_bytes < 0:
-            raise InvalidInputError(
-                f"target_cached_bytes must be an int >= 0, got {target_cached_bytes!r}")
+        target_cached_bytes = _byte_count(target_cached_bytes, "target_cached_bytes")
         pooled = self.pool.reserved_bytes - self.pool.in_use_bytes
         if pooled <= target_cached_bytes:
             return 0
@@ -389,9 +400,8 @@ class MemoryManager(ManagerCore):
 
     def set_max_pool_size(self, nbytes: int | None) -> None:
         """Cap the cached (free) bytes; None removes the cap. Trims at once."""
-        if nbytes is not None and (isinstance(nbytes, bool) or not isinstance(nbytes, int)
-                                   or nbytes < 0):
-            raise InvalidInputError(f"max pool size must be an int >= 0 or None, got {nbytes!r}")
+        if nbytes is not None:
+            nbytes = _byte_count(nbytes, "max pool size")
         self._max_pool_size = nbytes
         self._set_limits(self.usable_memory, nbytes)
         self._trim_cache()
@@ -401,7 +411,7 @@ class MemoryManager(ManagerCore):
 
     # --- statistics ----------------------------------------------------------------------------------
     def stats(self) -> MemoryStats:
-        c = self.pool.counters()
+        c = self.pool.counters(consistent=True)
         return MemoryStats(
             device=self.device_string,
             total_allocated_bytes=c["reserved_bytes"],
@@ -410,7 +420,7 @@ class MemoryManager(ManagerCore):
             pooled_bytes=c["reserved_bytes"] - c["in_use_bytes"],
             peak_bytes=c["peak_in_use_bytes"],
             peak_reserved_bytes=c["peak_reserved_bytes"],
-            largest_free_block=self.pool.largest_free_block(),
+            largest_free_block=c["largest_free_block"],
             pool_hits=c["hits"],
             pool_misses=c["misses"],
             cpu_fallbacks=self._cpu_fallbacks,

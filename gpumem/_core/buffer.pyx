@@ -295,13 +295,6 @@ cdef class ManagerCore:
             return None
         return self._wrap(b, nbytes, stream, tag)
 
-    def _alloc_from_donor(self, size_t nbytes, uint64_t stream, uint64_t donor, tag):
-        """A block cached by an idle stream `donor`, lent to `stream`; None if none fits."""
-        cdef gm_block* b
-        if self.pool.alloc_from_donor(nbytes, stream, donor, &b) != GM_OK:
-            return None
-        return self._wrap(b, nbytes, stream, tag)
-
     # defaults, overridden by MemoryManager
     def _malloc_slow(self, nbytes, stream, tag):
         raise NotImplementedError("ManagerCore is abstract: use gpumem.MemoryManager")

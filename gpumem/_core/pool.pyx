@@ -6,7 +6,7 @@ Free blocks live in two-level segregated size-class lists (TLSF): 32 classes per
 a 64-bit word of "class non-empty" bits per 64 classes and one top word, so finding the smallest
 non-empty class that fits is two count-trailing-zeros, whatever the number of cached blocks.
 Each stream has its own pair of heaps (small pool, large pool): a block freed on stream S is
-reused by S at once and lent to another stream only through `alloc_from_donor`, which the
+reused by S at once and handed to another stream only through `reclaim_idle`, which the
 manager calls once the backend says S is idle.
 
 Counters are std::atomic so `counters()` reads them without the lock; they are written only
@@ -279,6 +279,31 @@ cdef int _carve(gm_pool* p, gm_block* b, size_t s, size_t requested, uint64_t st
     return 0
 
 
+cdef void _coalesce_insert(gm_pool* p, gm_block* b, int hi) noexcept nogil:
+    """File the free block b (in no heap) under heap hi, merged with neighbours already there."""
+    cdef gm_heap* h = p.heaps[hi]
+    cdef gm_block* n = b.next
+    if n != NULL and n.heap_index == hi:
+        _heap_remove(h, n)
+        b.size += n.size
+        b.next = n.next
+        if n.next != NULL:
+            n.next.prev = b
+        _drop_block(p, n)
+    n = b.prev
+    if n != NULL and n.heap_index == hi:
+        _heap_remove(h, n)
+        n.size += b.size
+        n.next = b.next
+        if b.next != NULL:
+            b.next.prev = n
+        _drop_block(p, b)
+        b = n
+    if b.offset == 0 and b.next == NULL:
+        gm_add(p.stats.whole_free_bytes, b.segment.size)
+    _heap_insert(h, b, hi)
+
+
 # ---------------------------------------------------------------------------------------------
 # the public C API
 cdef size_t gm_round(const gm_pool* p, size_t nbytes) noexcept nogil:
@@ -314,8 +339,6 @@ cdef int gm_alloc(gm_pool* p, size_t nbytes, uint64_t stream, gm_block** out) no
     return GM_OK
 
 cdef int gm_free(gm_pool* p, gm_block* b, uint64_t serial) noexcept nogil:
-    cdef gm_heap* h
-    cdef gm_block* n
     cdef int k, hi
     _lock(p)
     if serial == 0 or b.serial != serial or b.heap_index != -1:
@@ -323,7 +346,6 @@ cdef int gm_free(gm_pool* p, gm_block* b, uint64_t serial) noexcept nogil:
         return GM_BAD_BLOCK
     k = _slot(p, b.stream)
     hi = 2 * k + (0 if b.segment.is_small else 1)
-    h = p.heaps[hi]
     gm_sub(p.stats.in_use_bytes, b.size)
     gm_sub(p.stats.requested_bytes, b.requested)
     gm_sub(p.stats.active_blocks, 1)
@@ -331,32 +353,32 @@ cdef int gm_free(gm_pool* p, gm_block* b, uint64_t serial) noexcept nogil:
     b.serial = 0
     b.requested = 0
     b.segment.live_blocks -= 1
-    # coalesce with free neighbours held by the same heap (same stream, same pool)
-    n = b.next
-    if n != NULL and n.heap_index == hi:
-        _heap_remove(h, n)
-        b.size += n.size
-        b.next = n.next
-        if n.next != NULL:
-            n.next.prev = b
-        _drop_block(p, n)
-    n = b.prev
-    if n != NULL and n.heap_index == hi:
-        _heap_remove(h, n)
-        n.size += b.size
-        n.next = b.next
-        if b.next != NULL:
-            b.next.prev = n
-        _drop_block(p, b)
-        b = n
-    if b.offset == 0 and b.next == NULL:
-        gm_add(p.stats.whole_free_bytes, b.segment.size)
-    _heap_insert(h, b, hi)
+    _coalesce_insert(p, b, hi)
     _unlock(p)
     return GM_OK
 
 
 # ---------------------------------------------------------------------------------------------
+cdef size_t _largest_free(gm_pool* p) noexcept nogil:
+    """The biggest free block (lock held): the highest non-empty class of each heap."""
+    cdef gm_heap* h
+    cdef gm_block* b
+    cdef size_t best = 0
+    cdef int i, w, c
+    for i in range(p.nheaps):
+        h = p.heaps[i]
+        if h.top == 0:
+            continue
+        w = 63 - gm_clz64(h.top)
+        c = (w << 6) + 63 - gm_clz64(h.words[w])
+        b = h.heads[c]
+        while b != NULL:          # one class: sizes within 1/32 of each other
+            if b.size > best:
+                best = b.size
+            b = b.free_next
+    return best
+
+
 cdef tuple _detach_segment(gm_pool* p, gm_segment* seg):
     """Unlink a wholly free segment (lock held), drop its blocks; return its description."""
     cdef gm_block* b = seg.first
@@ -484,46 +506,53 @@ cdef class CachingPool:
         _unlock(self._p)
         return k >= 0
 
-    def donor_streams(self, uint64_t stream, size_t nbytes) -> list:
-        """Streams other than `stream` whose heap of the right pool holds a block that may fit."""
-        cdef size_t s = gm_round(self._p, nbytes)
-        cdef int k, off = 0 if s <= self._p.cfg.small_size else 1
-        cdef gm_heap* h
+    def streams_with_free(self, uint64_t stream) -> list:
+        """Streams other than `stream` that hold cached free blocks."""
+        cdef int k
         cdef list out = []
         _lock(self._p)
         for k in range(self._p.nheaps // 2):
-            h = self._p.heaps[2 * k + off]
-            if h.stream != stream and h.free_bytes >= s:
-                out.append(h.stream)
+            if (self._p.heaps[2 * k].stream != stream
+                    and self._p.heaps[2 * k].free_blocks + self._p.heaps[2 * k + 1].free_blocks):
+                out.append(self._p.heaps[2 * k].stream)
         _unlock(self._p)
         return out
 
-    cdef int alloc_from_donor(self, size_t nbytes, uint64_t stream, uint64_t donor,
-                              gm_block** out) noexcept:
-        """Take a block from donor's free heap for `stream` (the caller has checked that the
-        donor stream is idle). Returns GM_OK or GM_MISS."""
-        cdef size_t s = gm_round(self._p, nbytes)
-        cdef int kd, hi
+    def reclaim_idle(self, idle_streams, uint64_t into) -> int:
+        """Re-file every free block of `idle_streams` under stream `into`, merging neighbours.
+
+        The caller has checked with the backend that each of those streams has no pending
+        work, so their cached blocks are safe for `into`. Returns the bytes re-filed.
+        """
+        cdef gm_pool* p = self._p
+        cdef gm_heap* h
         cdef gm_block* b
-        out[0] = NULL
-        _lock(self._p)
-        kd = _slot(self._p, donor)
-        if kd < 0 or _slot(self._p, stream) < 0:
-            _unlock(self._p)
-            return GM_MISS
-        hi = 2 * kd + (0 if s <= self._p.cfg.small_size else 1)
-        b = _take_fit(self._p, self._p.heaps[hi], s)
-        if b == NULL:
-            _unlock(self._p)
-            return GM_MISS
-        if _carve(self._p, b, s, nbytes, stream, hi) < 0:
-            _heap_insert(self._p.heaps[hi], b, hi)
-            _unlock(self._p)
-            return GM_MISS
-        gm_add(self._p.stats.hits, 1)
-        _unlock(self._p)
-        out[0] = b
-        return GM_OK
+        cdef int k, kin, part, c
+        cdef uint64_t sid
+        cdef size_t moved = 0
+        _lock(p)
+        kin = _register_stream(p, into)
+        if kin < 0:
+            _unlock(p)
+            raise MemoryError("cannot allocate heaps for a new stream")
+        for sid in idle_streams:
+            k = _slot(p, sid)
+            if k < 0 or k == kin:
+                continue
+            for part in range(2):
+                h = p.heaps[2 * k + part]
+                while h.top:
+                    c = (gm_ctz64(h.top) << 6) + gm_ctz64(h.words[gm_ctz64(h.top)])
+                    b = h.heads[c]
+                    _heap_remove(h, b)
+                    if b.offset == 0 and b.next == NULL:
+                        gm_sub(p.stats.whole_free_bytes, b.segment.size)
+                    b.stream = into
+                    moved += b.size
+                    _coalesce_insert(p, b, 2 * kin + part)
+        p.last_slot = kin
+        _unlock(p)
+        return moved
 
     # --- segments ---------------------------------------------------------------------------
     cdef int add_segment_and_alloc(self, uint64_t handle, size_t base, size_t seg_size,
@@ -679,9 +708,20 @@ cdef class CachingPool:
         return out
 
     # --- statistics ---------------------------------------------------------------------------
-    def counters(self) -> dict:
-        """Every counter, read without the lock (each value exact, the set not a snapshot)."""
+    def counters(self, bint consistent=False) -> dict:
+        """Every counter. By default read without the lock (each value exact, the set not one
+        moment); with consistent=True read under the lock, one moment, together with
+        ``largest_free_block``."""
         cdef gm_stats* st = &self._p.stats
+        cdef dict out
+        if consistent:
+            _lock(self._p)
+            try:
+                out = self.counters(False)
+                out["largest_free_block"] = _largest_free(self._p)
+            finally:
+                _unlock(self._p)
+            return out
         return {
             "reserved_bytes": st.reserved_bytes.load(),
             "in_use_bytes": st.in_use_bytes.load(),
@@ -720,24 +760,10 @@ cdef class CachingPool:
 
     def largest_free_block(self) -> int:
         """Size of the biggest cached free block (0 if none); shows fragmentation."""
-        cdef gm_pool* p = self._p
-        cdef gm_heap* h
-        cdef gm_block* b
-        cdef size_t best = 0
-        cdef int i, w, c
-        _lock(p)
-        for i in range(p.nheaps):
-            h = p.heaps[i]
-            if h.top == 0:
-                continue
-            w = 63 - gm_clz64(h.top)
-            c = (w << 6) + 63 - gm_clz64(h.words[w])
-            b = h.heads[c]
-            while b != NULL:          # one class: sizes within 1/32 of each other
-                if b.size > best:
-                    best = b.size
-                b = b.free_next
-        _unlock(p)
+        cdef size_t best
+        _lock(self._p)
+        best = _largest_free(self._p)
+        _unlock(self._p)
         return best
 
     # --- introspection ------------------------------------------------------------------------

@@ -1,0 +1,129 @@
+"""Shared fixtures: simulated devices, managers on them, and managers on every selected backend.
+
+- ``sim_device(capacity="4GiB", count=1, **SimDevice kwargs)`` installs fresh SimDevice(s) as
+  ``sim:0``.. and restores the registry afterwards. pytest-xdist runs each worker in its own
+  process, and the registry is per process, so this is safe under ``-n``.
+- ``make_manager(device="sim:0", config=None, **config changes)`` builds MemoryManagers (closed
+  at teardown) with a permissive config (``PERMISSIVE``): the whole device, nothing held back,
+  no CPU fallback (so an out-of-memory is an error a test can see), no tracking.
+- ``manager``: ``make_manager()`` on a fresh 4 GiB host-backed sim device.
+- ``backend_manager``: the same test on each backend of ``GPUMEM_TEST_BACKENDS`` (comma list
+  among sim, cpu, opencl, cuda); unset: all four, each unavailable one skipped with its reason.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))   # `import invariants` from any test module
+
+import gpumem_sim  # noqa: E402
+from gpumem import MemoryConfig, MemoryManager  # noqa: E402
+from gpumem.backends import get_backend  # noqa: E402
+
+ALL_BACKENDS = ("sim", "cpu", "opencl", "cuda")
+
+#: A config that uses the whole device and makes out-of-memory visible.
+PERMISSIVE = dict(min_free_bytes=0, gpu_memory_fraction=1.0, cpu_fallback_enabled=False,
+                  track_allocations=False)
+
+
+def permissive_config(**changes) -> MemoryConfig:
+    return MemoryConfig(**{**PERMISSIVE, **changes})
+
+
+def selected_backends() -> list[str]:
+    env = os.environ.get("GPUMEM_TEST_BACKENDS", "").strip()
+    if not env:
+        return list(ALL_BACKENDS)
+    names = [n.strip().lower() for n in env.split(",") if n.strip()]
+    # unknown names are kept: the fixture fails them loudly (a typo must not pass silently)
+    return [n for n in ALL_BACKENDS if n in names] + [n for n in names if n not in ALL_BACKENDS]
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: takes several seconds (compiles or runs long)")
+
+
+class SimFactory:
+    """``factory(capacity="4GiB", count=1, **kwargs)`` installs ``count`` fresh SimDevices (same
+    kwargs) as sim:0.. and returns the device (or a tuple when count > 1). Each call replaces
+    the devices installed by the previous one; ``devices`` holds the last ones."""
+
+    def __init__(self) -> None:
+        self.devices: tuple[gpumem_sim.SimDevice, ...] | None = None
+
+    def __call__(self, capacity="4GiB", *, count: int = 1, **kwargs):
+        devs = tuple(gpumem_sim.SimDevice(capacity, **kwargs) for _ in range(count))
+        gpumem_sim.install(*devs)
+        self.devices = devs
+        return devs[0] if count == 1 else devs
+
+
+@pytest.fixture
+def sim_device():
+    """A SimFactory; the registry (and GPUMEM_SIM_DEVICES) is restored afterwards."""
+    saved_env = os.environ.pop(gpumem_sim.ENV_VAR, None)
+    gpumem_sim.uninstall()
+    yield SimFactory()
+    gpumem_sim.uninstall()
+    if saved_env is not None:
+        os.environ[gpumem_sim.ENV_VAR] = saved_env
+
+
+@pytest.fixture
+def make_manager(sim_device):
+    """Factory: ``make_manager(device="sim:0", config=None, **config_changes)``; the managers are
+    closed at teardown. For a sim device, a 4 GiB host-backed SimDevice is installed first
+    unless the test installed its own with ``sim_device(...)``."""
+    made: list[MemoryManager] = []
+
+    def make(device="sim:0", config: MemoryConfig | None = None, **changes) -> MemoryManager:
+        if isinstance(device, str) and device.startswith("sim") and sim_device.devices is None:
+            sim_device("4GiB", back_memory=True)
+        if config is None:
+            config = permissive_config(**changes)
+        elif changes:
+            config = config.replace(**changes)
+        mm = MemoryManager(device, config)
+        made.append(mm)
+        return mm
+
+    yield make
+    for mm in made:
+        mm.close()
+
+
+@pytest.fixture
+def manager(make_manager) -> MemoryManager:
+    return make_manager()
+
+
+@pytest.fixture(params=selected_backends())
+def backend_name(request) -> str:
+    name = request.param
+    if name not in ALL_BACKENDS:
+        pytest.fail(f"GPUMEM_TEST_BACKENDS names an unknown backend {name!r}; choose among "
+                    f"{', '.join(ALL_BACKENDS)}", pytrace=False)
+    ok, reason = get_backend(name).availability()
+    if not ok:
+        pytest.skip(f"backend {name!r} unavailable: {reason}")
+    return name
+
+
+@pytest.fixture
+def backend_manager(backend_name, sim_device):
+    """A permissive MemoryManager on device 0 of each selected backend (sim: a 2 GiB
+    host-backed SimDevice)."""
+    if backend_name == "sim":
+        sim_device("2GiB", back_memory=True)
+        device = "sim:0"
+    elif backend_name == "cpu":
+        device = "cpu"
+    else:
+        device = f"{backend_name}:0"
+    mm = MemoryManager(device, permissive_config())
+    yield mm
+    mm.close()

@@ -1,0 +1,143 @@
+"""The invariant checker every pool/manager test calls after it has changed something.
+
+``check(manager)`` runs the pool's own C-level check (blocks tile each segment, free neighbours of
+one heap are merged, size-class lists and bitmaps agree, counters equal a recount) and then
+checks from Python what a user can see:
+
+- no two live blocks overlap, no two segments overlap, every block lies in its segment;
+- ``MemoryStats``: ``total_allocated_bytes == in_use_bytes + pooled_bytes`` and each field equals
+  a recount over ``pool.segments()``;
+- with ``live=`` (the buffers the test holds): ``active_buffers`` equals the number still alive,
+  and each device buffer is a live block of the pool at its own address and size;
+- the device agrees with the pool: on sim the driver's live segments are exactly the pool's
+  (handles, bases, sizes, ``live_bytes == reserved``); on cpu ``bytes_held`` equals reserved; on
+  OpenCL every pool segment is a live segment of the device.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+from gpumem import FallbackBuffer
+
+__all__ = ["check", "live_ranges", "stats_without", "snapshot_state"]
+
+
+def live_ranges(manager: Any) -> list[tuple[int, int, int]]:
+    """``(start, end, id)`` of every live block, by address."""
+    out = []
+    for seg in manager.pool.segments():
+        for b in seg["blocks"]:
+            if b["state"] == "allocated":
+                start = seg["base"] + b["offset"]
+                out.append((start, start + b["size"], b["id"]))
+    out.sort()
+    return out
+
+
+def stats_without(manager: Any, *names: str) -> dict:
+    """``manager.stats().as_dict()`` minus the given fields."""
+    d = manager.stats().as_dict()
+    for n in names:
+        d.pop(n, None)
+    return d
+
+
+def snapshot_state(manager: Any) -> tuple[dict, list]:
+    """Everything a failed call must leave unchanged: the stats (minus num_ooms) and the
+    segments with their blocks."""
+    return stats_without(manager, "num_ooms"), manager.pool.segments()
+
+
+def _check_device(manager: Any, segs: list[dict], reserved: int) -> None:
+    dev = manager.device
+    backend = getattr(dev, "backend", None)
+    if manager.closed:
+        return
+    if backend == "sim":
+        sim = {s.handle: s for s in dev.segments()}
+        pool = {s["handle"]: s for s in segs}
+        assert set(sim) == set(pool), (
+            f"sim holds segments {sorted(sim)} but the pool knows {sorted(pool)}")
+        for h, s in pool.items():
+            assert sim[h].base == s["base"], f"segment {h}: pool base differs from the driver's"
+            assert sim[h].nbytes == s["size"], f"segment {h}: pool size differs from the driver's"
+        assert dev.live_bytes == reserved, (
+            f"sim live_bytes {dev.live_bytes} != pool reserved {reserved}")
+        assert dev.live_segments == len(segs)
+    elif backend == "cpu":
+        held = dev.properties().extra["bytes_held"]
+        assert held == reserved, f"cpu device holds {held} bytes, pool reserved {reserved}"
+    elif backend == "opencl":
+        for s in segs:
+            assert dev.segment_size(s["handle"]) == s["size"]
+
+
+def check(manager: Any, live: Iterable[Any] | None = None) -> None:
+    """Assert every invariant of `manager` (see the module docstring)."""
+    pool = manager.pool
+    pool.check_invariants()
+    segs = pool.segments()
+
+    # segments and blocks ----------------------------------------------------------------------
+    seg_ranges = sorted((s["base"], s["base"] + s["size"], s["handle"]) for s in segs)
+    for (a0, a1, ha), (b0, b1, hb) in zip(seg_ranges, seg_ranges[1:]):
+        assert a1 <= b0, f"segments {ha:#x} [{a0:#x},{a1:#x}) and {hb:#x} [{b0:#x},{b1:#x}) overlap"
+    assert len({s["handle"] for s in segs}) == len(segs), "two segments share a handle"
+    reserved = in_use = requested = pooled = largest = nlive = 0
+    ids = set()
+    for s in segs:
+        reserved += s["size"]
+        end = 0
+        for b in s["blocks"]:
+            assert b["offset"] == end, f"segment {s['handle']:#x}: blocks do not tile"
+            end = b["offset"] + b["size"]
+            if b["state"] == "allocated":
+                nlive += 1
+                in_use += b["size"]
+                requested += b["requested"]
+                assert 0 <= b["requested"] <= b["size"], f"block {b} requested more than its size"
+                assert b["id"] not in ids, f"two live blocks share id {b['id']}"
+                ids.add(b["id"])
+            else:
+                pooled += b["size"]
+                largest = max(largest, b["size"])
+        assert end == s["size"], f"segment {s['handle']:#x}: blocks cover {end} of {s['size']}"
+    ranges = live_ranges(manager)
+    for (a0, a1, ia), (b0, b1, ib) in zip(ranges, ranges[1:]):
+        assert a1 <= b0, f"live blocks {ia} [{a0:#x},{a1:#x}) and {ib} [{b0:#x},{b1:#x}) overlap"
+
+    # stats ------------------------------------------------------------------------------------
+    st = manager.stats()
+    assert st.total_allocated_bytes == st.in_use_bytes + st.pooled_bytes, st
+    assert st.total_allocated_bytes == reserved, (st.total_allocated_bytes, reserved)
+    assert st.in_use_bytes == in_use, (st.in_use_bytes, in_use)
+    assert st.requested_bytes == requested, (st.requested_bytes, requested)
+    assert st.pooled_bytes == pooled, (st.pooled_bytes, pooled)
+    assert st.largest_free_block == largest, (st.largest_free_block, largest)
+    assert st.num_segments == len(segs), (st.num_segments, len(segs))
+    assert st.num_allocs - st.num_frees == nlive, (st.num_allocs, st.num_frees, nlive)
+    assert st.peak_bytes >= st.in_use_bytes
+    assert st.peak_reserved_bytes >= st.total_allocated_bytes
+    assert st.segments_created - st.segments_released == st.num_segments, st
+    assert st.active_buffers >= nlive
+    assert 0.0 <= st.hit_rate() <= 1.0
+    assert 0.0 <= st.fragmentation_ratio() <= 1.0
+
+    if live is not None:
+        alive = [b for b in live if b.alive]
+        assert st.active_buffers == len(alive), (
+            f"stats say {st.active_buffers} active buffers, the test holds {len(alive)} alive")
+        device_bufs = [b for b in alive if not isinstance(b, FallbackBuffer)]
+        fallback = len(alive) - len(device_bufs)
+        assert st.active_buffers - nlive == fallback, (st.active_buffers, nlive, fallback)
+        blocks = {}
+        for s in segs:
+            for b in s["blocks"]:
+                if b["state"] == "allocated":
+                    blocks[b["id"]] = (s["base"] + b["offset"], b["size"], b["requested"])
+        for buf in device_bufs:
+            assert buf.id in blocks, f"buffer {buf!r} is alive but not a live block of the pool"
+            addr, size, req = blocks[buf.id]
+            assert buf.ptr == addr and buf.nbytes == req and size >= buf.nbytes, (buf, blocks[buf.id])
+
+    _check_device(manager, segs, reserved)

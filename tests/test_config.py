@@ -1,0 +1,288 @@
+"""MemoryConfig: presets, builder methods, the environment, and validation at construction."""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+
+from gpumem import InvalidInputError, MemoryConfig, MemoryManager
+from invariants import check
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+@pytest.fixture(autouse=True)
+def no_gpumem_env(monkeypatch):
+    """Tests start from a clean environment: no GPUMEM_* variable leaks in."""
+    import os
+    for key in list(os.environ):
+        if key.startswith("GPUMEM_") and key != "GPUMEM_TEST_BACKENDS":
+            monkeypatch.delenv(key)
+
+
+# --- defaults and presets ---------------------------------------------------------------------------
+def test_defaults():
+    c = MemoryConfig()
+    assert c.gpu_memory_fraction == 0.9
+    assert c.cpu_fallback_enabled is True
+    assert c.min_free_bytes == 512 * MiB
+    assert c.track_allocations is False
+    assert c.max_pool_size is None and c.max_split_size is None and c.reserve_bytes is None
+    assert c.max_pooled_per_bucket == 8
+    assert MemoryConfig.default() == c
+
+
+def test_preset_inference():
+    c = MemoryConfig.for_inference()
+    assert (c.gpu_memory_fraction, c.cpu_fallback_enabled, c.min_free_bytes, c.max_pool_size) == \
+           (0.95, False, 256 * MiB, 2 * GiB)
+
+
+def test_preset_constrained():
+    c = MemoryConfig.for_constrained()
+    assert c.gpu_memory_fraction == 0.7 and c.min_free_bytes == 128 * MiB
+    assert c.max_pool_size == 256 * MiB and c.max_pooled_per_bucket == 2
+    assert c.max_split_size == 64 * MiB and c.large_segment == 10 * MiB
+    assert c.pressure_thresholds == (0.5, 0.7, 0.9)
+
+
+@pytest.mark.parametrize("preset", ["default", "for_inference", "for_constrained"])
+def test_presets_build_working_managers(sim_device, preset):
+    dev = sim_device("8GiB")
+    cfg = getattr(MemoryConfig, preset)()
+    with MemoryManager("sim:0", cfg) as mm:
+        assert mm.usable_memory == min(int(8 * GiB * cfg.gpu_memory_fraction), 8 * GiB)
+        bufs = [mm.malloc(n) for n in (0, 100, 3 * MiB, 12 * MiB)]
+        check(mm, bufs)
+    assert dev.live_bytes == 0
+
+
+def test_constrained_preset_caps_the_cache(sim_device):
+    sim_device("8GiB")
+    with MemoryManager("sim:0", MemoryConfig.for_constrained()) as mm:
+        bufs = [mm.malloc(30 * MiB) for _ in range(12)]
+        for b in bufs:
+            b.free()
+            assert mm.stats().pooled_bytes <= 256 * MiB
+        check(mm, [])
+
+
+# --- builder ------------------------------------------------------------------------------------------
+def test_builder_methods_return_validated_copies():
+    base = MemoryConfig()
+    c = (base.with_gpu_memory_fraction(0.5)
+             .with_cpu_fallback(False)
+             .with_min_free_bytes("1GiB")
+             .with_tracking(True, stacks=True)
+             .with_max_pool_size("512MiB")
+             .with_max_split_size(64 * MiB)
+             .with_max_pooled_per_bucket(3)
+             .with_reserve_bytes("100MB")
+             .with_pressure_thresholds(0.5, 0.6, 0.7))
+    assert c.gpu_memory_fraction == 0.5 and c.cpu_fallback_enabled is False
+    assert c.min_free_bytes == GiB
+    assert c.track_allocations is True and c.track_stacks is True
+    assert c.max_pool_size == 512 * MiB and c.max_split_size == 64 * MiB
+    assert c.max_pooled_per_bucket == 3 and c.reserve_bytes == 100_000_000
+    assert c.pressure_thresholds == (0.5, 0.6, 0.7)
+    assert base == MemoryConfig()                        # the original is untouched
+    assert c.with_max_pool_size(None).max_pool_size is None
+    assert c.with_max_split_size(None).max_split_size is None
+    assert c.with_reserve_bytes(None).reserve_bytes is None
+
+
+def test_config_is_frozen():
+    c = MemoryConfig()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.gpu_memory_fraction = 0.5
+
+
+@pytest.mark.parametrize("build", [
+    lambda c: c.with_gpu_memory_fraction(1.5),
+    lambda c: c.with_gpu_memory_fraction(0),
+    lambda c: c.with_cpu_fallback(1),
+    lambda c: c.with_min_free_bytes("-1GiB"),
+    lambda c: c.with_min_free_bytes("lots"),
+    lambda c: c.with_max_pool_size(-1),
+    lambda c: c.with_max_pooled_per_bucket(-1),
+    lambda c: c.with_pressure_thresholds(0.8, 0.6, 0.9),
+    lambda c: c.replace(no_such_field=1),
+])
+def test_builder_rejects_bad_values(build):
+    with pytest.raises(InvalidInputError):
+        build(MemoryConfig())
+
+
+def test_replace_names_the_fields():
+    with pytest.raises(InvalidInputError, match="gpu_memory_fraction"):
+        MemoryConfig().replace(gpu_memory_fractoin=0.5)
+
+
+# --- environment ------------------------------------------------------------------------------------
+def test_from_env_reads_variables():
+    env = {"GPUMEM_GPU_MEMORY_FRACTION": "0.8", "GPUMEM_MIN_FREE_BYTES": "1GiB",
+           "GPUMEM_CPU_FALLBACK_ENABLED": "0", "GPUMEM_DEBUG": "1",
+           "GPUMEM_MAX_POOL_SIZE": "256MiB", "GPUMEM_MAX_POOLED_PER_BUCKET": "4",
+           "GPUMEM_PRESSURE_THRESHOLDS": "0.5,0.75,0.9", "GPUMEM_RESERVE_BYTES": "none",
+           "UNRELATED": "x"}
+    c = MemoryConfig.from_env(env)
+    assert c.gpu_memory_fraction == 0.8
+    assert c.min_free_bytes == GiB
+    assert c.cpu_fallback_enabled is False
+    assert c.track_allocations is True
+    assert c.max_pool_size == 256 * MiB and c.max_pooled_per_bucket == 4
+    assert c.pressure_thresholds == (0.5, 0.75, 0.9)
+    assert c.reserve_bytes is None
+
+
+@pytest.mark.parametrize("raw, expected", [("1", True), ("true", True), ("Yes", True),
+                                           ("on", True), ("0", False), ("false", False),
+                                           ("no", False), ("OFF", False)])
+def test_from_env_booleans(raw, expected):
+    assert MemoryConfig.from_env({"GPUMEM_CPU_FALLBACK_ENABLED": raw}).cpu_fallback_enabled \
+        is expected
+
+
+def test_from_env_debug_and_explicit_tracking():
+    assert MemoryConfig.from_env({"GPUMEM_DEBUG": "1"}).track_allocations is True
+    assert MemoryConfig.from_env({"GPUMEM_DEBUG": "0"}).track_allocations is False
+    assert MemoryConfig.from_env({"GPUMEM_DEBUG": "1", "GPUMEM_TRACK_ALLOCATIONS": "0"}) \
+        .track_allocations is False
+    assert MemoryConfig.from_env({}).track_allocations is False
+
+
+def test_debug_env_sets_the_default(monkeypatch):
+    monkeypatch.setenv("GPUMEM_DEBUG", "1")
+    assert MemoryConfig().track_allocations is True
+    monkeypatch.setenv("GPUMEM_DEBUG", "0")
+    assert MemoryConfig().track_allocations is False
+
+
+def test_from_env_over_a_base():
+    base = MemoryConfig.for_inference()
+    c = MemoryConfig.from_env({"GPUMEM_GPU_MEMORY_FRACTION": "0.5"}, base=base)
+    assert c.gpu_memory_fraction == 0.5 and c.max_pool_size == base.max_pool_size
+    assert c.cpu_fallback_enabled is False
+    assert MemoryConfig.from_env({}, base=base) == base
+
+
+def test_from_env_reads_os_environ(monkeypatch):
+    monkeypatch.setenv("GPUMEM_MIN_FREE_BYTES", "2GiB")
+    monkeypatch.setenv("GPUMEM_GPU_MEMORY_FRACTION", "0.25")
+    c = MemoryConfig.from_env()
+    assert c.min_free_bytes == 2 * GiB and c.gpu_memory_fraction == 0.25
+
+
+def test_manager_without_config_reads_the_environment(sim_device, monkeypatch):
+    sim_device("4GiB")
+    monkeypatch.setenv("GPUMEM_GPU_MEMORY_FRACTION", "0.5")
+    monkeypatch.setenv("GPUMEM_MIN_FREE_BYTES", "0")
+    monkeypatch.setenv("GPUMEM_CPU_FALLBACK_ENABLED", "false")
+    with MemoryManager("sim:0") as mm:
+        assert mm.usable_memory == 2 * GiB
+        assert mm.config.cpu_fallback_enabled is False
+        assert mm.config.min_free_bytes == 0
+
+
+@pytest.mark.parametrize("key, raw", [
+    ("GPUMEM_GPU_MEMORY_FRACTION", "abc"), ("GPUMEM_CPU_FALLBACK_ENABLED", "maybe"),
+    ("GPUMEM_MIN_FREE_BYTES", "-1GiB"), ("GPUMEM_MIN_FREE_BYTES", "lots"),
+    ("GPUMEM_MIN_FREE_BYTES", "1.5B"), ("GPUMEM_MAX_POOLED_PER_BUCKET", "-1"),
+    ("GPUMEM_MAX_POOLED_PER_BUCKET", "two"), ("GPUMEM_PRESSURE_THRESHOLDS", "a,b,c"),
+])
+def test_from_env_rejects_unparsable_values_naming_the_variable(key, raw):
+    with pytest.raises(InvalidInputError) as info:
+        MemoryConfig.from_env({key: raw})
+    assert key in str(info.value)
+
+
+@pytest.mark.parametrize("key, raw", [
+    ("GPUMEM_GPU_MEMORY_FRACTION", "1.5"), ("GPUMEM_GPU_MEMORY_FRACTION", "nan"),
+    ("GPUMEM_GPU_MEMORY_FRACTION", "0"), ("GPUMEM_PRESSURE_THRESHOLDS", "0.5,0.6"),
+    ("GPUMEM_GRANULARITY", "1000"),
+])
+def test_from_env_rejects_out_of_range_values_naming_the_variable(key, raw):
+    """A value that parses but fails validation must also say which variable it came from:
+    a user who never built a MemoryConfig (MemoryManager("cuda:0") reads the environment)
+    otherwise cannot tell where "gpu_memory_fraction must be in (0, 1]" comes from."""
+    with pytest.raises(InvalidInputError) as info:
+        MemoryConfig.from_env({key: raw})
+    assert key in str(info.value)
+
+
+def test_manager_with_bad_environment_fails(sim_device, monkeypatch):
+    sim_device("1GiB")
+    monkeypatch.setenv("GPUMEM_GPU_MEMORY_FRACTION", "2")
+    with pytest.raises(InvalidInputError, match="gpu_memory_fraction"):
+        MemoryManager("sim:0")
+    monkeypatch.setenv("GPUMEM_GPU_MEMORY_FRACTION", "half")
+    with pytest.raises(InvalidInputError, match="GPUMEM_GPU_MEMORY_FRACTION"):
+        MemoryManager("sim:0")
+
+
+# --- validation at construction ----------------------------------------------------------------------
+@pytest.mark.parametrize("changes", [
+    dict(gpu_memory_fraction=0), dict(gpu_memory_fraction=1.01), dict(gpu_memory_fraction=-0.1),
+    dict(gpu_memory_fraction=math.nan), dict(gpu_memory_fraction=math.inf),
+    dict(gpu_memory_fraction=True), dict(gpu_memory_fraction="0.5"),
+    dict(cpu_fallback_enabled=1), dict(cpu_fallback_enabled="yes"), dict(track_allocations=None),
+    dict(release_before_grow=0),
+    dict(min_free_bytes=-1), dict(min_free_bytes=1.0), dict(min_free_bytes="1GiB"),
+    dict(min_free_bytes=True),
+    dict(granularity=0), dict(granularity=3), dict(granularity=1000),
+    dict(small_size=4 * MiB), dict(small_segment=0), dict(large_segment=0),
+    dict(large_round=0), dict(large_threshold=30 * MiB),
+    dict(max_pooled_per_bucket=-1), dict(reserve_bytes=-1), dict(max_split_size=-5),
+    dict(max_pool_size=-1), dict(max_pool_size=1.5),
+    dict(pressure_thresholds=(0.8, 0.6, 0.9)), dict(pressure_thresholds=(0.5, 0.6)),
+    dict(pressure_thresholds=(0.5, 0.6, 1.5)), dict(pressure_thresholds=[0.5, 0.6, 0.7]),
+    dict(pressure_thresholds=(0.0, 0.6, 0.7)), dict(pressure_thresholds=(0.5, math.nan, 0.7)),
+    dict(high_cache_fraction=1.5), dict(high_cache_fraction=-0.1),
+])
+def test_invalid_values_raise_at_construction(changes):
+    with pytest.raises(InvalidInputError):
+        MemoryConfig(**changes)
+
+
+@pytest.mark.parametrize("changes", [
+    dict(gpu_memory_fraction=1), dict(gpu_memory_fraction=1e-6), dict(min_free_bytes=0),
+    dict(granularity=1), dict(granularity=4096), dict(max_pool_size=0),
+    dict(max_pooled_per_bucket=0), dict(reserve_bytes=0), dict(high_cache_fraction=0),
+    dict(pressure_thresholds=(0.1, 0.2, 1.0)),
+])
+def test_edge_values_are_accepted(changes):
+    c = MemoryConfig(**changes)
+    for k, v in changes.items():
+        assert getattr(c, k) == v
+
+
+def test_gpu_memory_fraction_limits_the_manager(sim_device):
+    dev = sim_device("1GiB")
+    cfg = MemoryConfig(gpu_memory_fraction=0.1, min_free_bytes=0, cpu_fallback_enabled=False)
+    with MemoryManager("sim:0", cfg) as mm:
+        assert mm.usable_memory == int(0.1 * GiB)
+        bufs = []
+        with pytest.raises(Exception) as info:
+            while True:
+                bufs.append(mm.malloc(12 * MiB))
+        assert type(info.value).__name__ == "OutOfMemoryError"
+        assert dev.live_bytes <= int(0.1 * GiB)
+        check(mm, bufs)
+
+
+def test_debug_env_turns_on_leak_tracking_in_a_manager(sim_device, monkeypatch):
+    sim_device("1GiB")
+    monkeypatch.setenv("GPUMEM_DEBUG", "1")
+    with MemoryManager("sim:0", MemoryConfig(min_free_bytes=0)) as mm:
+        assert mm.config.track_allocations is True
+        b = mm.malloc(100, tag="weights")
+        leaks = mm.check_leaks()
+        assert [(m.id, m.nbytes, m.tag) for m in leaks] == [(b.id, 100, "weights")]
+        b.free()
+        assert mm.check_leaks() == []
+    monkeypatch.delenv("GPUMEM_DEBUG")
+    with MemoryManager("sim:0", MemoryConfig(min_free_bytes=0)) as mm:
+        with pytest.raises(InvalidInputError, match="track_allocations"):
+            mm.check_leaks()
