@@ -30,7 +30,7 @@ import itertools
 import threading
 from typing import Any, Callable, Hashable, Iterable, Sequence
 
-from gpumem._core.buffer import Buffer
+from gpumem._core.buffer import Buffer, PlacementCore
 from gpumem.config import MemoryConfig
 from gpumem.errors import (ClosedManagerError, ForeignBufferError, InvalidDeviceError,
                            InvalidInputError)
@@ -54,7 +54,7 @@ def _available_devices() -> list[str]:
     return [d.device for d in devices() if d.available and d.backend in _GPU_BACKENDS]
 
 
-class MultiDeviceManager:
+class MultiDeviceManager(PlacementCore):
     """A MemoryManager per device with one placement entry point.
 
     ``devices``: ``None`` (every available cuda, opencl and sim device, no cpu), or a list of
@@ -151,6 +151,7 @@ class MultiDeviceManager:
         self._active = active
         self._counters = tuple((m, m.pool, m.usable_memory) for m in active)
         self._fast = self._policy == "most_free" and bool(active) and not self._closed
+        self._set_fast_path(active if self._fast else None)
 
     def _most_free(self, nbytes: int) -> MemoryManager:
         best = None
@@ -199,31 +200,6 @@ class MultiDeviceManager:
         self._refresh()
 
     # --- allocation --------------------------------------------------------------------------
-    def allocate_on_best_device(self, nbytes: int, name: Hashable | None = None, *,
-                                stream: Any = None, tag: Any = None) -> Buffer | FallbackBuffer:
-        """Allocate ``nbytes`` on the device the policy picks, or, for a ``name`` seen before,
-        on the device that name is pinned to (the first successful allocation under a name pins
-        it). Raises ClosedManagerError if the pinned device's manager was closed (the pin stays
-        until :meth:`unpin`), and what ``MemoryManager.malloc`` raises."""
-        if name is not None:
-            mgr = self._affinity.get(name)
-            if mgr is not None and not mgr._closed and not self._closed:
-                return mgr.malloc(nbytes, stream=stream, tag=tag)     # pinned
-        elif self._fast and type(nbytes) is int and nbytes >= 0:
-            # the common case, kept lean: "most_free" from the pools' counters, no driver call
-            best = None
-            best_free = -1
-            for mgr, pool, usable in self._counters:
-                free = usable - pool.in_use_bytes
-                if free > best_free:
-                    best, best_free = mgr, free
-            if best is not None:
-                try:
-                    return best.malloc(nbytes, stream=stream, tag=tag)
-                except ClosedManagerError:
-                    pass                           # closed behind our back: the slow path
-        return self._allocate(nbytes, name, stream, tag)
-
     def _allocate(self, nbytes: Any, name: Hashable | None, stream: Any, tag: Any) -> Any:
         if self._closed:
             raise ClosedManagerError("this MultiDeviceManager is closed")

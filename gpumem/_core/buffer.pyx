@@ -205,8 +205,6 @@ cdef class ManagerCore:
         fallback is on. Raises OutOfMemoryError when neither can serve."""
         cdef long long n
         cdef uint64_t s
-        cdef gm_block* b
-        cdef int rc
         if type(nbytes) is int and 0 <= nbytes < _SIZE_TOO_BIG:
             n = nbytes
         else:
@@ -215,12 +213,16 @@ cdef class ManagerCore:
             s = 0
         else:
             s = self._stream_handle(stream)
+        return self._malloc_c(n, s, tag)
+
+    cdef object _malloc_c(self, long long n, uint64_t s, object tag):
+        """malloc after argument checks (shared with PlacementCore)."""
+        cdef gm_block* b
         if self._closed:
             raise ClosedManagerError(f"the manager for {self.device_string} is closed")
         if <size_t>n > self._max_request:
             return self._malloc_slow(n, s, tag)
-        rc = gm_alloc(self._p, <size_t>n, s, &b)
-        if rc != GM_OK:
+        if gm_alloc(self._p, <size_t>n, s, &b) != GM_OK:
             return self._malloc_slow(n, s, tag)
         return self._wrap(b, <size_t>n, s, tag)
 
@@ -297,7 +299,7 @@ cdef class ManagerCore:
 
     # defaults, overridden by MemoryManager
     def _malloc_slow(self, nbytes, stream, tag):
-        raise NotImplementedError("ManagerCore is abstract: use gpumem.MemoryManager")
+        raise TypeError("ManagerCore is abstract: use gpumem.MemoryManager")
 
     def _on_alloc(self, buf) -> None:
         pass
@@ -310,3 +312,38 @@ cdef class ManagerCore:
 
     def _free_other(self, buffer) -> None:
         raise TypeError(f"free() takes a gpumem Buffer, got {type(buffer).__name__}")
+
+
+cdef class PlacementCore:
+    """The hot path of gpumem.MultiDeviceManager: "most free usable memory" read from each
+    pool's C counters, then that manager's malloc, with no Python frame in between. Anything
+    else (a name, a stream, another policy, a closed manager) goes to `_allocate`."""
+
+    cdef tuple _fast_cores             # ManagerCores for the fast path, or None
+
+    def _set_fast_path(self, cores) -> None:
+        self._fast_cores = None if cores is None else tuple(cores)
+
+    def allocate_on_best_device(self, nbytes, name=None, *, stream=None, tag=None):
+        """Allocate nbytes on the device the policy picks; a `name` pins the device on its
+        first allocation and later ones follow it."""
+        cdef ManagerCore core
+        cdef ManagerCore best = None
+        cdef size_t in_use, room, best_room = 0
+        if (name is None and stream is None and self._fast_cores is not None
+                and type(nbytes) is int and 0 <= nbytes < _SIZE_TOO_BIG):
+            for core in self._fast_cores:
+                if core._closed:
+                    best = None
+                    break
+                in_use = core._p.stats.in_use_bytes.load()
+                room = core._max_request - in_use if core._max_request > in_use else 0
+                if best is None or room > best_room:
+                    best = core
+                    best_room = room
+            if best is not None:
+                return best._malloc_c(<long long>nbytes, 0, tag)
+        return self._allocate(nbytes, name, stream, tag)
+
+    def _allocate(self, nbytes, name, stream, tag):
+        raise TypeError("PlacementCore is abstract: use gpumem.MultiDeviceManager")
