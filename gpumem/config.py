@@ -48,8 +48,8 @@ class MemoryConfig:
     large_split_min: int = 1 * MiB
     oversize_slack: int = 20 * MiB
     max_pool_size: int | None = None        # cached (free) bytes kept; None: no cap
-    release_before_grow: bool = True        # return wholly free segments before growing when
-                                            # they add up to the new segment (keeps reserved low)
+    release_before_grow: bool = True        # before growing past the reserved high-water mark,
+                                            # return idle segments that offset the growth
     # pressure: fractions of usable memory where MEDIUM, HIGH, CRITICAL begin
     pressure_thresholds: tuple[float, float, float] = (0.60, 0.80, 0.95)
     auto_release_at_high: bool = True       # at HIGH, trim the cache to high_cache_fraction

@@ -217,9 +217,12 @@ class MemoryManager(ManagerCore):
         self._check_fragmentation(nbytes)
         self._release_excess_per_bucket()
         seg_size = self.pool.segment_size(nbytes)
-        if self.config.release_before_grow and self.pool.whole_free_bytes >= seg_size:
-            # the idle segments would outweigh the growth: give them back first
-            self._release_cached(reason="release before grow")
+        if (self.config.release_before_grow and self.pool.whole_free_bytes >= seg_size
+                and self.pool.reserved_bytes + seg_size > self.pool.peak_reserved_bytes):
+            # growth would set a new high-water mark while idle segments could offset it:
+            # give back as much as we are about to take (largest first). Below the mark the
+            # cache is kept, so a warm steady state does not churn the driver.
+            self._release_cached(seg_size, reason="release before grow")
         reserved = self.pool.reserved_bytes
         free, _ = self.device.mem_get_info()
         if not self._segment_allowed(seg_size, reserved, free):

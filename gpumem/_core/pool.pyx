@@ -752,6 +752,10 @@ cdef class CachingPool:
     def in_use_bytes(self) -> int:
         return self._p.stats.in_use_bytes.load()
 
+    @property
+    def peak_reserved_bytes(self) -> int:
+        return self._p.stats.peak_reserved_bytes.load()
+
     def reset_peaks(self) -> None:
         _lock(self._p)
         self._p.stats.peak_in_use_bytes.store(self._p.stats.in_use_bytes.load())
