@@ -279,7 +279,7 @@ cdef int _carve(gm_pool* p, gm_block* b, size_t s, size_t requested, uint64_t st
     return 0
 
 
-cdef void _coalesce_insert(gm_pool* p, gm_block* b, int hi) noexcept nogil:
+cdef inline void _coalesce_insert(gm_pool* p, gm_block* b, int hi) noexcept nogil:
     """File the free block b (in no heap) under heap hi, merged with neighbours already there."""
     cdef gm_heap* h = p.heaps[hi]
     cdef gm_block* n = b.next
