@@ -1,0 +1,193 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
+# distutils: language = c++
+"""C-level micro-benchmarks of the caching pool through its public .pxd API.
+
+Compiled at benchmark time by ``asv_benchmarks/build_cbench.py`` (include path = repo root, so
+``from gpumem._core.pool cimport ...`` resolves exactly as it does for downstream Cython code).
+Nothing here touches a device: `BlockPool` feeds a standalone `CachingPool` synthetic segments
+(``add_segment_and_alloc`` with made-up handles and addresses), the way a manager feeds it real
+ones on a miss, so the timed loops measure the pool and nothing else.
+
+- `hit_pair_ns(pool, sizes, n)`: n gm_alloc+gm_free pairs in one nogil loop, cycling over
+  `sizes`, timed with clock_gettime(CLOCK_MONOTONIC); returns ns per pair. Every alloc must hit.
+- `BlockPool.populate(n, ...)`: n blocks of log-uniform random sizes, then every other block (in
+  address order) freed where both its neighbours are live, so the freed blocks cannot coalesce.
+"""
+cimport cython
+from libc.stdint cimport uint64_t
+from libc.stdlib cimport malloc, free
+from libc.math cimport exp, log
+from posix.time cimport clock_gettime, timespec, CLOCK_MONOTONIC
+
+from gpumem._core.pool cimport (CachingPool, gm_pool, gm_segment, gm_block, gm_alloc, gm_free,
+                                gm_round, GM_OK)
+
+
+cdef inline long long _now_ns() noexcept nogil:
+    cdef timespec ts
+    clock_gettime(CLOCK_MONOTONIC, &ts)
+    return <long long>ts.tv_sec * 1000000000LL + ts.tv_nsec
+
+
+cdef inline uint64_t _xorshift(uint64_t* s) noexcept nogil:
+    cdef uint64_t x = s[0]
+    x ^= x >> 12
+    x ^= x << 25
+    x ^= x >> 27
+    s[0] = x
+    return x * 2685821657736338717ULL
+
+
+cdef inline size_t _log_uniform(uint64_t* s, double lo, double hi) noexcept nogil:
+    cdef double u = (_xorshift(s) >> 11) * (1.0 / 9007199254740992.0)
+    return <size_t>exp(log(lo) + u * (log(hi) - log(lo)))
+
+
+def clock_overhead_ns(size_t n=100000):
+    """ns per clock_gettime call (for reference; each timed loop calls it twice)."""
+    cdef long long t0, t1
+    cdef size_t i
+    with nogil:
+        t0 = _now_ns()
+        for i in range(n):
+            _now_ns()
+        t1 = _now_ns()
+    return (t1 - t0) / <double>n
+
+
+def hit_pair_ns(CachingPool pool not None, sizes, size_t n, uint64_t stream=0):
+    """ns per gm_alloc+gm_free pair: n pairs in a nogil loop, request sizes cycling over `sizes`.
+
+    Raises RuntimeError if any alloc misses (the pool must already hold fitting free blocks) or
+    any free fails."""
+    cdef gm_pool* p = pool._p
+    cdef gm_block* b
+    cdef size_t i, j = 0, k = len(sizes), failed_at = <size_t>-1
+    cdef size_t* sz
+    cdef long long t0, t1
+    cdef int rc = GM_OK
+    if k == 0 or n == 0:
+        raise ValueError("need at least one size and one pair")
+    sz = <size_t*>malloc(k * sizeof(size_t))
+    if sz == NULL:
+        raise MemoryError()
+    try:
+        for i in range(k):
+            sz[i] = sizes[i]
+        with nogil:
+            t0 = _now_ns()
+            for i in range(n):
+                rc = gm_alloc(p, sz[j], stream, &b)
+                if rc != GM_OK:
+                    failed_at = i
+                    break
+                rc = gm_free(p, b, b.serial)
+                if rc != GM_OK:
+                    failed_at = i
+                    break
+                j += 1
+                if j == k:
+                    j = 0
+            t1 = _now_ns()
+        if failed_at != <size_t>-1:
+            raise RuntimeError(f"pair {failed_at} (size {sz[j]}) failed with code {rc}: the pool "
+                               f"must hold a fitting free block for every size")
+    finally:
+        free(sz)
+    return (t1 - t0) / <double>n
+
+
+def free_block_count(CachingPool pool not None):
+    """Cached free blocks in every heap of the pool."""
+    cdef gm_pool* p = pool._p
+    cdef size_t total = 0
+    cdef int i
+    for i in range(p.nheaps):
+        total += p.heaps[i].free_blocks
+    return total
+
+
+@cython.final
+cdef class BlockPool:
+    """A standalone CachingPool fed synthetic segments, with blocks allocated and freed from C."""
+
+    cdef readonly CachingPool pool
+    cdef size_t _next_base
+    cdef uint64_t _next_handle
+    cdef readonly size_t segments_added
+
+    def __cinit__(self):
+        self._next_base = (<size_t>1) << 44
+        self._next_handle = 1
+        self.segments_added = 0
+
+    def __init__(self, CachingPool pool=None, **pool_kwargs):
+        self.pool = pool if pool is not None else CachingPool(**pool_kwargs)
+
+    cdef gm_block* _alloc(self, size_t nbytes) except NULL:
+        """A block from the cache, or from a new synthetic segment on a miss."""
+        cdef gm_block* b = NULL
+        cdef gm_pool* p = self.pool._p
+        cdef size_t seg
+        if gm_alloc(p, nbytes, 0, &b) == GM_OK:
+            return b
+        seg = self.pool.segment_size_for(gm_round(p, nbytes))
+        self.pool.add_segment_and_alloc(self._next_handle, self._next_base, seg, nbytes, 0, &b)
+        self._next_handle += 1
+        self._next_base += (seg + 4095) & ~(<size_t>4095)
+        self.segments_added += 1
+        return b
+
+    def populate(self, size_t nblocks, uint64_t seed=12345, size_t lo=512,
+                 size_t hi=16 << 20, size_t target_free=0):
+        """Allocate nblocks of log-uniform random sizes in [lo, hi]; then walk every segment in
+        address order and free every other live block whose two neighbours are live (so no
+        freed block can coalesce), stopping once the pool caches `target_free` free blocks
+        (0: no limit). Returns the number of cached free blocks."""
+        cdef uint64_t s = seed * 0x9E3779B97F4A7C15ULL + 1
+        cdef gm_pool* p = self.pool._p
+        cdef gm_segment* seg
+        cdef gm_block* b
+        cdef gm_block* nxt
+        cdef size_t i, nfree
+        cdef bint toggle = 0
+        for i in range(nblocks):
+            self._alloc(_log_uniform(&s, <double>lo, <double>hi))
+        nfree = free_block_count(self.pool)
+        seg = p.segments
+        while seg != NULL and (target_free == 0 or nfree < target_free):
+            b = seg.first
+            while b != NULL and (target_free == 0 or nfree < target_free):
+                nxt = b.next
+                if b.heap_index == -1:
+                    toggle = not toggle
+                    if (not toggle and (b.prev == NULL or b.prev.heap_index == -1)
+                            and (nxt == NULL or nxt.heap_index == -1)):
+                        if gm_free(p, b, b.serial) != GM_OK:
+                            raise RuntimeError("gm_free failed while populating")
+                        nfree += 1
+                b = nxt
+            seg = seg.next
+        return free_block_count(self.pool)
+
+    def ensure_hits(self, sizes):
+        """Make sure an alloc of each size hits (adding a segment where one would miss), then
+        return every such block. Returns the number of segments it had to add."""
+        cdef size_t before = self.segments_added
+        cdef gm_block* b
+        for n in sizes:
+            b = self._alloc(<size_t>n)
+            if gm_free(self.pool._p, b, b.serial) != GM_OK:
+                raise RuntimeError("gm_free failed")
+        return self.segments_added - before
+
+    @property
+    def free_blocks(self):
+        return free_block_count(self.pool)
+
+    @property
+    def live_blocks(self):
+        return self.pool._p.stats.active_blocks.load()
+
+    def hit_pair_ns(self, sizes, size_t n):
+        return hit_pair_ns(self.pool, sizes, n)

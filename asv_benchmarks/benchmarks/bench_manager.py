@@ -1,0 +1,54 @@
+"""MemoryManager at Python level on a big simulated device: the hit pair, a mixed workload,
+with allocation tracking off and on (track_allocations=True needs gpumem.tracking; the "on"
+cases are skipped while it does not exist)."""
+from . import KiB, MiB, MixedWorkload, sim_manager
+
+
+class HitPair:
+    """``mm.free(mm.malloc(n))`` for a size the cache holds."""
+
+    params = [[512, 4 * KiB, 1 * MiB, 8 * MiB], [False, True]]
+    param_names = ["nbytes", "tracking"]
+
+    def setup(self, nbytes, tracking):
+        self.mm = sim_manager(track=tracking)
+        self.mm.free(self.mm.malloc(nbytes))
+
+    def teardown(self, nbytes, tracking):
+        self.mm.close()
+
+    def time_malloc_free(self, nbytes, tracking):
+        self.mm.free(self.mm.malloc(nbytes))
+
+    def time_malloc_free_with_block(self, nbytes, tracking):
+        with self.mm.malloc(nbytes):
+            pass
+
+
+class Mixed:
+    """10,000 live buffers of log-uniform random sizes 1 KiB..4 MiB; each step frees a random
+    one and allocates a new random size (1000 steps per call, after a 20,000-step warmup)."""
+
+    params = [[False, True]]
+    param_names = ["tracking"]
+    timeout = 180
+
+    def setup(self, tracking):
+        self.mm = sim_manager(track=tracking)
+        self.work = MixedWorkload(live=10_000, lo=1 * KiB, hi=4 * MiB)
+        self.handles = self.work.start(self.mm.malloc)
+        self.run = self.work.runner(self.mm.malloc, self.mm.free, self.handles)
+        self.run(20_000)
+
+    def teardown(self, tracking):
+        self.handles.clear()
+        self.mm.close()
+
+    def time_steps_1000(self, tracking):
+        self.run(1000)
+
+    def track_reserved_over_live(self, tracking):
+        c = self.mm.pool.counters()
+        return c["reserved_bytes"] / max(1, c["requested_bytes"])
+
+    track_reserved_over_live.unit = "ratio"

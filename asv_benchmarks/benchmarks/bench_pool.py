@@ -1,0 +1,124 @@
+"""The caching pool's hit path, at C level (through the public .pxd API) and Python level.
+
+C level: ``_cbench`` (compiled in setup, see build_cbench.py) runs N gm_alloc+gm_free pairs in a
+nogil loop, timed with clock_gettime; when it cannot be built the "c" parameters are skipped
+(NotImplementedError) and the "python" ones still run. Targets: a C-level pair <= 40 ns; the
+pair with 1,000,000 cached free blocks of varied sizes <= 1.5x the pair with 10.
+"""
+import math
+import random
+import statistics
+
+from . import KiB, MiB, load_cbench, sim_manager
+
+PAIRS = 200_000          # pairs per C-level measurement
+REPEATS = 7              # measurements per track_ value (median)
+
+# request sizes cycled by the "mixed" O(1) case: 64 log-uniform sizes in [512 B, 16 MiB]
+_rng = random.Random(7)
+MIXED_SIZES = [int(math.exp(_rng.uniform(math.log(512), math.log(16 * MiB)))) for _ in range(64)]
+
+
+class HitPair:
+    """One alloc+free pair of a cached size (the pool holds one fitting segment)."""
+
+    params = [["c", "python"], [512, 4 * KiB, 1 * MiB, 4 * MiB]]
+    param_names = ["level", "nbytes"]
+
+    def setup(self, level, nbytes):
+        if level == "c":
+            cb = load_cbench()
+            self.bp = cb.BlockPool()
+            self.bp.ensure_hits([nbytes])
+            self.bp.hit_pair_ns([nbytes], 10_000)            # warm
+        else:
+            self.mm = sim_manager()
+            self.mm.free(self.mm.malloc(nbytes))             # one segment: later pairs hit
+
+    def teardown(self, level, nbytes):
+        if level == "python":
+            self.mm.close()
+
+    def time_pairs_1000(self, level, nbytes):
+        """1000 pairs per call: asv's figure / 1000 is the time of one pair."""
+        if level == "c":
+            self.bp.hit_pair_ns([nbytes], 1000)
+        else:
+            malloc, free = self.mm.malloc, self.mm.free
+            for _ in range(1000):
+                free(malloc(nbytes))
+
+    def track_ns_per_pair(self, level, nbytes):
+        """Median ns per pair over REPEATS measurements (C: PAIRS pairs in one nogil loop)."""
+        if level == "c":
+            return statistics.median(self.bp.hit_pair_ns([nbytes], PAIRS)
+                                     for _ in range(REPEATS))
+        import time
+        malloc, free = self.mm.malloc, self.mm.free
+        out = []
+        for _ in range(REPEATS):
+            t0 = time.perf_counter_ns()
+            for _ in range(20_000):
+                free(malloc(nbytes))
+            out.append((time.perf_counter_ns() - t0) / 20_000)
+        return statistics.median(out)
+
+    track_ns_per_pair.unit = "ns"
+
+
+def _populated(cb, nfree, lo=512):
+    """A BlockPool caching `nfree` free blocks (log-uniform sizes lo..16 MiB, each between
+    live neighbours), warmed so every MIXED_SIZES / 4 KiB request hits."""
+    bp = cb.BlockPool()
+    bp.populate(max(4 * nfree, 40) if nfree < 1000 else int(2.4 * nfree), lo=lo,
+                target_free=nfree)
+    bp.ensure_hits(MIXED_SIZES + [4 * KiB])
+    return bp
+
+
+class HitScaling:
+    """The hit pair against a pool caching 10 or 1,000,000 free blocks of varied sizes."""
+
+    params = [[10, 1_000_000], ["4KiB", "mixed64"]]
+    param_names = ["cached_free_blocks", "sizes"]
+    timeout = 300
+
+    def setup(self, nfree, sizes):
+        cb = load_cbench()
+        self.bp = _populated(cb, nfree)
+        self.sizes = [4 * KiB] if sizes == "4KiB" else MIXED_SIZES
+        self.bp.hit_pair_ns(self.sizes, 10_000)
+
+    def track_ns_per_pair(self, nfree, sizes):
+        return statistics.median(self.bp.hit_pair_ns(self.sizes, PAIRS) for _ in range(REPEATS))
+
+    track_ns_per_pair.unit = "ns"
+
+    def track_free_blocks(self, nfree, sizes):
+        return self.bp.free_blocks
+
+    track_free_blocks.unit = "blocks"
+
+
+class HitScalingRatio:
+    """O(1) check in one run: median pair time with 1,000,000 cached free blocks over the
+    median with 10 (measurements interleaved). Target <= 1.5."""
+
+    params = [["4KiB", "mixed64"]]
+    param_names = ["sizes"]
+    timeout = 300
+
+    def setup(self, sizes):
+        cb = load_cbench()
+        self.small = _populated(cb, 10)
+        self.big = _populated(cb, 1_000_000)
+        self.sizes = [4 * KiB] if sizes == "4KiB" else MIXED_SIZES
+
+    def track_ratio_1m_over_10(self, sizes):
+        small, big = [], []
+        for _ in range(REPEATS):
+            small.append(self.small.hit_pair_ns(self.sizes, PAIRS))
+            big.append(self.big.hit_pair_ns(self.sizes, PAIRS))
+        return statistics.median(big) / statistics.median(small)
+
+    track_ratio_1m_over_10.unit = "ratio"

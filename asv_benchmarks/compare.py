@@ -1,0 +1,903 @@
+"""gpumem against its peers, all in ONE process, with medians and ratios.
+
+    python asv_benchmarks/compare.py --backend sim     [--quick] [--json out.json]
+    python asv_benchmarks/compare.py --backend opencl  [--quick] [--json out.json]
+    python asv_benchmarks/compare.py --backend cuda    [--quick] [--json out.json]
+
+sim     C-level pool hit pair (the .pxd API, compiled _cbench), the O(1) check (1,000,000 vs 10
+        cached free blocks, one run), Python-level hit pair and mixed workload on a 1 TiB
+        simulated device, trace replay (time, peak reserved / peak live).
+opencl  gpumem MemoryManager("opencl:0") vs pyopencl.tools.MemoryPool(ImmediateAllocator(queue))
+        on the same device and context: hit pair, mixed sizes, trace replay (+ peak held).
+cuda    gpumem MemoryManager("cuda:0") vs raw cuMemAlloc/cuMemFree, cuMemAllocAsync/FreeAsync
+        on a stream, cuda.core DeviceMemoryResource, CuPy MemoryPool, torch's caching allocator;
+        each peer is skipped with the reason when its package (or the GPU) is absent.
+
+Method: timeit-style. Each figure is the median over R repeats of (time of k calls) / k ops,
+k chosen so one repeat lasts >= 0.2 s (0.05 s with --quick); the garbage collector is off while
+timing. Ratio = peer / gpumem (above 1: gpumem is faster). Python-level figures include the
+Python loop around the calls, the same for every peer ("python loop + 2 calls" shows its cost).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from benchmarks import (KiB, MiB, GiB, MixedWorkload, device_budget,  # noqa: E402
+                        fitting_live_count, log_uniform_mean, read_trace, replay,
+                        sim_device_string, trace_names)
+
+RESULTS: list[dict] = []
+NOTES: list[str] = []
+
+
+class Skip(Exception):
+    """A peer or a benchmark that cannot run here; the message says why."""
+
+
+# =============================================================================================
+# timing
+# =============================================================================================
+class Timer:
+    def __init__(self, quick: bool):
+        self.quick = quick
+        self.min_time = 0.05 if quick else 0.2
+        self.repeats = 5 if quick else 15
+        self.replays = 3 if quick else 7
+
+    def calibrate(self, run) -> int:
+        """Calls per repeat so that one repeat lasts >= min_time (like timeit.autorange)."""
+        k = 1
+        while True:
+            t0 = time.perf_counter_ns()
+            run(k)
+            dt = time.perf_counter_ns() - t0
+            if dt >= self.min_time * 1e9 or k >= 1 << 30:
+                return k
+            k = max(k * 2, int(k * self.min_time * 1e9 / max(dt, 1) * 1.2))
+
+    def interleaved(self, runs: dict) -> dict:
+        """{name: run}; run(k) performs k ops. Repeats alternate between the runs (A B C A B C
+        ...) so that a noisy neighbour slows every peer alike; ns per op for each repeat."""
+        gc_on = gc.isenabled()
+        gc.disable()
+        try:
+            ks = {name: self.calibrate(run) for name, run in runs.items()}
+            out: dict = {name: [] for name in runs}
+            for _ in range(self.repeats):
+                for name, run in runs.items():
+                    k = ks[name]
+                    t0 = time.perf_counter_ns()
+                    run(k)
+                    out[name].append((time.perf_counter_ns() - t0) / k)
+            return out
+        finally:
+            if gc_on:
+                gc.enable()
+
+    def ns_per_op(self, run) -> list[float]:
+        return self.interleaved({"x": run})["x"]
+
+
+def record(bench: str, peer: str, samples, unit: str = "ns", **extra) -> dict:
+    samples = list(samples)
+    row = {"bench": bench, "peer": peer, "unit": unit,
+           "median": statistics.median(samples), "min": min(samples), "max": max(samples),
+           "repeats": len(samples)}
+    row.update(extra)
+    RESULTS.append(row)
+    return row
+
+
+def skipped(bench: str, peer: str, reason: str) -> None:
+    RESULTS.append({"bench": bench, "peer": peer, "skipped": reason})
+
+
+def fmt_value(v: float, unit: str) -> str:
+    if unit == "ns":
+        if v >= 1e6:
+            return f"{v / 1e6:.2f} ms"
+        if v >= 1e4:
+            return f"{v / 1e3:.1f} us"
+        return f"{v:.1f} ns"
+    if unit == "bytes":
+        return f"{v / 2**20:.1f} MiB"
+    if unit == "ratio":
+        return f"{v:.3f}"
+    return f"{v:.4g} {unit}"
+
+
+def print_table(rows: list[dict]) -> None:
+    """Rows grouped by bench; ratio = peer / gpumem for each bench that has a gpumem row."""
+    benches: dict[str, list[dict]] = {}
+    for r in rows:
+        benches.setdefault(r["bench"], []).append(r)
+    w = max([len(b) for b in benches] + [10])
+    print(f"\n{'benchmark':<{w}}  {'peer':<26} {'median':>12} {'spread(min..max)':>22}  "
+          f"{'peer/gpumem':>11}")
+    print("-" * (w + 78))
+    for bench, rs in benches.items():
+        base = next((r["median"] for r in rs if r["peer"] == "gpumem" and "median" in r), None)
+        first = True
+        for r in rs:
+            name = bench if first else ""
+            first = False
+            if "skipped" in r:
+                print(f"{name:<{w}}  {r['peer']:<26} {'skipped':>12}   {r['skipped']}")
+                continue
+            unit = r["unit"]
+            spread = f"{fmt_value(r['min'], unit)}..{fmt_value(r['max'], unit)}"
+            ratio = ""
+            if base and unit == "ns" and r["peer"] != "gpumem":
+                ratio = f"{r['median'] / base:.2f}x"
+            elif r["peer"] == "gpumem" and unit == "ns" and len(rs) > 1:
+                ratio = "1.00x"
+            extra = f"  {r['note']}" if r.get("note") else ""
+            print(f"{name:<{w}}  {r['peer']:<26} {fmt_value(r['median'], unit):>12} "
+                  f"{spread:>22}  {ratio:>11}{extra}")
+
+
+# =============================================================================================
+# allocator instances ("peers"): alloc, free (None: freed when the handle is dropped),
+# peak held bytes, close
+# =============================================================================================
+class Inst:
+    def __init__(self, alloc, free, close, peak=None, poll=None):
+        self.alloc, self.free, self.close = alloc, free, close
+        self.peak = peak                 # () -> peak bytes held since creation, or None
+        self.poll = poll                 # () -> bytes held now (polled after each alloc)
+
+
+class Peer:
+    name = "?"
+
+    def open(self) -> None:
+        """Raise Skip(reason) when unavailable."""
+
+    def make(self) -> Inst:
+        raise NotImplementedError
+
+    def shutdown(self) -> None:
+        pass
+
+
+class GpumemPeer(Peer):
+    def __init__(self, device: str, name: str = "gpumem", native: bool = False, config=None):
+        self.device, self.name, self.native, self.config = device, name, native, config
+
+    def open(self):
+        from gpumem import MemoryManager
+        try:
+            MemoryManager(self.device, self.config).close()
+        except Exception as exc:
+            raise Skip(f"{type(exc).__name__}: {exc}") from None
+
+    def make(self) -> Inst:
+        from gpumem import MemoryManager
+        mm = MemoryManager(self.device, self.config)
+        self.last = mm
+        if self.native:
+            malloc = mm.malloc
+
+            def alloc(n):
+                buf = malloc(n)
+                buf.native                     # the backend object (an OpenCL sub-buffer)
+                return buf
+        else:
+            alloc = mm.malloc
+        return Inst(alloc, mm.free, mm.close,
+                    peak=lambda: mm.pool.counters()["peak_reserved_bytes"])
+
+
+# --- OpenCL --------------------------------------------------------------------------------
+class PyOpenCLPeer(Peer):
+    name = "pyopencl MemoryPool"
+
+    def __init__(self, device: str):
+        self.device = device
+
+    def open(self):
+        try:
+            import pyopencl  # noqa: F401
+            from gpumem import MemoryManager
+            self.mm = MemoryManager(self.device)       # only for its context and queue
+        except Exception as exc:
+            raise Skip(f"{type(exc).__name__}: {exc}") from None
+        self.queue = self.mm.device.queue(0)
+
+    def make(self) -> Inst:
+        import pyopencl.tools as cl_tools
+        pool = cl_tools.MemoryPool(cl_tools.ImmediateAllocator(self.queue))
+        release = type(pool.allocate(1)).release       # PooledBuffer.release
+        pool.free_held()
+        return Inst(pool.allocate, release, pool.stop_holding,
+                    poll=lambda: pool.managed_bytes)
+
+    def shutdown(self):
+        self.mm.close()
+
+
+# --- CUDA (written against the documented APIs; not runnable on the machine the figures in
+# docs/benchmarks.md come from) -------------------------------------------------------------
+def _cuda_driver():
+    try:
+        from cuda.bindings import driver
+    except ImportError:
+        try:
+            from cuda import cuda as driver       # cuda-python < 12.6
+        except ImportError as exc:
+            raise Skip(f"cuda-python is not installed: {exc}") from None
+    return driver
+
+
+def _check(drv, res, what):
+    """cuda-python returns (CUresult, outputs...): raise on an error, return the output(s)."""
+    err = res[0] if isinstance(res, tuple) else res
+    if int(err) != 0:
+        raise RuntimeError(f"{what} failed: {err}")
+    if not isinstance(res, tuple) or len(res) == 1:
+        return None
+    return res[1] if len(res) == 2 else res[1:]
+
+
+class _CudaContext:
+    """The primary context of device 0, made current (the one gpumem, CuPy, torch use)."""
+    drv = None
+
+    @classmethod
+    def get(cls):
+        if cls.drv is None:
+            drv = _cuda_driver()
+            _check(drv, drv.cuInit(0), "cuInit")
+            dev = _check(drv, drv.cuDeviceGet(0), "cuDeviceGet")
+            ctx = _check(drv, drv.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
+            _check(drv, drv.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+            cls.drv, cls.dev, cls.ctx = drv, dev, ctx
+        return cls
+
+
+class CudaRawPeer(Peer):
+    name = "cuMemAlloc/cuMemFree"
+
+    def open(self):
+        try:
+            self.c = _CudaContext.get()
+        except Skip:
+            raise
+        except Exception as exc:
+            raise Skip(f"no CUDA device: {exc}") from None
+
+    def make(self) -> Inst:
+        drv = self.c.drv
+        cuMemAlloc, cuMemFree = drv.cuMemAlloc, drv.cuMemFree
+
+        def alloc(n):
+            err, ptr = cuMemAlloc(n)
+            if int(err):
+                raise MemoryError(f"cuMemAlloc({n}): {err}")
+            return ptr
+
+        def free(ptr):
+            (err,) = cuMemFree(ptr)
+            if int(err):
+                raise RuntimeError(f"cuMemFree: {err}")
+
+        return Inst(alloc, free, lambda: None)
+
+
+class CudaAsyncPeer(Peer):
+    """cuMemAllocAsync/cuMemFreeAsync on one stream, from the device's default memory pool with
+    its release threshold raised to the maximum (so the pool caches, as CuPy's and RMM's async
+    resources configure it)."""
+    name = "cuMemAllocAsync (stream)"
+
+    def open(self):
+        try:
+            self.c = _CudaContext.get()
+            drv = self.c.drv
+            self.stream = _check(drv, drv.cuStreamCreate(0), "cuStreamCreate")
+            self.pool = _check(drv, drv.cuDeviceGetDefaultMemPool(self.c.dev),
+                               "cuDeviceGetDefaultMemPool")
+            attr = drv.CUmemPool_attribute
+            _check(drv, drv.cuMemPoolSetAttribute(self.pool,
+                                                  attr.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                                                  drv.cuuint64_t(2**64 - 1)),
+                   "cuMemPoolSetAttribute(RELEASE_THRESHOLD)")
+        except Skip:
+            raise
+        except Exception as exc:
+            raise Skip(f"stream-ordered allocator unavailable: {type(exc).__name__}: {exc}") \
+                from None
+
+    def _reset_high(self):
+        drv = self.c.drv
+        attr = drv.CUmemPool_attribute.CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH
+        drv.cuMemPoolSetAttribute(self.pool, attr, drv.cuuint64_t(0))
+
+    def _peak(self):
+        """The pool's reserved high-water mark (None if the query fails)."""
+        drv = self.c.drv
+        attr = drv.CUmemPool_attribute.CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH
+        try:
+            return int(_check(drv, drv.cuMemPoolGetAttribute(self.pool, attr),
+                              "cuMemPoolGetAttribute"))
+        except Exception:
+            return None
+
+    def _close(self):
+        drv = self.c.drv
+        drv.cuStreamSynchronize(self.stream)
+        drv.cuMemPoolTrimTo(self.pool, 0)
+
+    def make(self) -> Inst:
+        drv, stream = self.c.drv, self.stream
+        cuMemAllocAsync, cuMemFreeAsync = drv.cuMemAllocAsync, drv.cuMemFreeAsync
+        self._close()
+        self._reset_high()
+
+        def alloc(n):
+            err, ptr = cuMemAllocAsync(n, stream)
+            if int(err):
+                raise MemoryError(f"cuMemAllocAsync({n}): {err}")
+            return ptr
+
+        def free(ptr):
+            (err,) = cuMemFreeAsync(ptr, stream)
+            if int(err):
+                raise RuntimeError(f"cuMemFreeAsync: {err}")
+
+        return Inst(alloc, free, self._close, peak=self._peak)
+
+
+class CudaCorePeer(CudaAsyncPeer):
+    """cuda.core's DeviceMemoryResource (the driver's stream-ordered pool, as above)."""
+    name = "cuda.core DeviceMemoryResource"
+
+    def open(self):
+        super().open()
+        try:
+            try:
+                from cuda.core import Device, DeviceMemoryResource
+            except ImportError:
+                from cuda.core.experimental import Device, DeviceMemoryResource
+            dev = Device(0)
+            dev.set_current()
+            self.core_stream = dev.create_stream()
+            self.mr = DeviceMemoryResource(dev.device_id)
+            buf = self.mr.allocate(256, stream=self.core_stream)
+            buf.close(self.core_stream)
+        except Exception as exc:
+            raise Skip(f"cuda.core unavailable: {type(exc).__name__}: {exc}") from None
+
+    def make(self) -> Inst:
+        self._close()
+        self._reset_high()
+        allocate, stream = self.mr.allocate, self.core_stream
+
+        def alloc(n):
+            return allocate(n, stream=stream)
+
+        def free(buf):
+            buf.close(stream)
+
+        def close():
+            stream.sync()
+            self._close()
+
+        return Inst(alloc, free, close, peak=self._peak)
+
+
+class CupyPeer(Peer):
+    name = "CuPy MemoryPool"
+
+    def open(self):
+        try:
+            import cupy
+            cupy.cuda.Device(0).use()
+            self.cupy = cupy
+        except Exception as exc:
+            raise Skip(f"CuPy unavailable: {type(exc).__name__}: {exc}") from None
+
+    def make(self) -> Inst:
+        pool = self.cupy.cuda.MemoryPool()
+        # MemoryPointer objects return to the pool when dropped: free=None
+        return Inst(pool.malloc, None, pool.free_all_blocks, poll=pool.total_bytes)
+
+
+class TorchPeer(Peer):
+    name = "torch caching allocator"
+
+    def open(self):
+        try:
+            import torch
+            if not torch.cuda.is_available():
+                raise Skip("torch has no CUDA device")
+            self.torch = torch
+        except Skip:
+            raise
+        except Exception as exc:
+            raise Skip(f"torch unavailable: {type(exc).__name__}: {exc}") from None
+
+    def make(self) -> Inst:
+        cuda = self.torch.cuda
+        cuda.synchronize()
+        cuda.empty_cache()
+        cuda.reset_peak_memory_stats(0)
+        alloc, free = cuda.caching_allocator_alloc, cuda.caching_allocator_delete
+        return Inst(alloc, free, cuda.empty_cache, peak=lambda: cuda.max_memory_reserved(0))
+
+
+# =============================================================================================
+# benchmarks shared by the device modes
+# =============================================================================================
+def _make_all(bench: str, peers: list[Peer]) -> dict:
+    insts = {}
+    for peer in peers:
+        try:
+            insts[peer.name] = peer.make()
+        except Exception as exc:
+            skipped(bench, peer.name, f"{type(exc).__name__}: {exc}")
+    return insts
+
+
+def bench_hit_pairs(timer: Timer, peers: list[Peer], sizes=(4 * KiB, 1 * MiB)) -> None:
+    """alloc+free of one cached size, every peer (and the bare Python loop) interleaved."""
+    for n in sizes:
+        bench = f"hit pair {fmt_size(n)}"
+        insts = _make_all(bench, peers)
+        runs = {}
+        for name, inst in insts.items():
+            alloc, free = inst.alloc, inst.free
+            try:
+                if free is None:
+                    alloc(n)
+
+                    def run(k, alloc=alloc, n=n):
+                        for _ in range(k):
+                            alloc(n)
+                else:
+                    free(alloc(n))
+
+                    def run(k, alloc=alloc, free=free, n=n):
+                        for _ in range(k):
+                            free(alloc(n))
+                runs[name] = run
+            except Exception as exc:
+                skipped(bench, name, f"{type(exc).__name__}: {exc}")
+        f1, f2 = abs, abs            # the Python-level floor: the same loop, two trivial calls
+
+        def floor(k, n=n):
+            for _ in range(k):
+                f2(f1(n))
+        runs["python loop + 2 calls"] = floor
+        try:
+            for name, samples in timer.interleaved(runs).items():
+                note = "reference: loop cost in every row" if name == "python loop + 2 calls" \
+                    else ""
+                record(bench, name, samples, note=note)
+        except Exception as exc:
+            skipped(bench, "(some peer)", f"{type(exc).__name__}: {exc}")
+        finally:
+            for inst in insts.values():
+                inst.close()
+
+
+def bench_mixed(timer: Timer, peers: list[Peer], live: int, warmup: int = 20_000) -> None:
+    """Each step frees a random live buffer and allocates a new random size (log-uniform
+    1 KiB..4 MiB); all peers hold their `live` buffers at once and are timed interleaved."""
+    bench = f"mixed 1KiB-4MiB, {live} live"
+    insts = _make_all(bench, peers)
+    runs, held = {}, {}
+    try:
+        for name, inst in insts.items():
+            try:
+                work = MixedWorkload(live=live, lo=1 * KiB, hi=4 * MiB)
+                held[name] = handles = work.start(inst.alloc)
+                run = work.runner(inst.alloc, inst.free, handles)
+                run(warmup)
+                runs[name] = run
+            except Exception as exc:
+                skipped(bench, name, f"{type(exc).__name__}: {exc}")
+        for name, samples in timer.interleaved(runs).items():
+            record(bench, name, samples, note="per step (1 free + 1 alloc)")
+    except Exception as exc:
+        skipped(bench, "(some peer)", f"{type(exc).__name__}: {exc}")
+    finally:
+        for name, inst in insts.items():
+            handles = held.get(name, [])
+            if inst.free is not None:
+                for h in handles:
+                    try:
+                        inst.free(h)
+                    except Exception:
+                        pass
+            handles.clear()
+            inst.close()
+
+
+def _measure_peak(peer: Peer, trace) -> tuple:
+    """(peak bytes held in one cold replay or None, CPU fallbacks)."""
+    inst = peer.make()
+    try:
+        if inst.peak is not None:
+            replay(trace, inst.alloc, inst.free)
+            return inst.peak(), _fallbacks(peer)
+        if inst.poll is not None:
+            top = [0]
+            poll = inst.poll
+
+            def after():
+                v = poll()
+                if v > top[0]:
+                    top[0] = v
+            replay(trace, inst.alloc, inst.free, after_alloc=after)
+            return top[0], 0
+        replay(trace, inst.alloc, inst.free)
+        return None, 0
+    finally:
+        inst.close()
+
+
+def bench_traces(timer: Timer, peers: list[Peer], budget: int | None, names=None) -> None:
+    """Replay each trace (sizes scaled down when peak live * 1.3 exceeds `budget`): cold (a
+    fresh allocator) and warm (the same allocator again) ns per event, peers interleaved
+    replay by replay; peak held / peak live from a separate, untimed replay."""
+    for name in names or trace_names():
+        trace = read_trace(name)
+        scale = 1.0
+        if budget is not None and trace.peak_live * 1.3 > budget:
+            scale = int(budget / 1.3 / trace.peak_live * 100) / 100
+            trace = trace.scaled(scale)
+        label = name + ("" if scale == 1.0 else f" (sizes x{scale:g})")
+        ev = trace.n_events
+        live_peers, peaks = [], {}
+        for peer in peers:
+            try:
+                peaks[peer.name] = _measure_peak(peer, trace)
+                live_peers.append(peer)
+            except Exception as exc:
+                skipped(f"replay {label}", peer.name, f"{type(exc).__name__}: {exc}")
+        cold: dict = {p.name: [] for p in live_peers}
+        warm: dict = {p.name: [] for p in live_peers}
+        for _ in range(timer.replays):
+            for peer in list(live_peers):
+                try:
+                    inst = peer.make()
+                except Exception as exc:
+                    skipped(f"replay {label}", peer.name, f"{type(exc).__name__}: {exc}")
+                    live_peers.remove(peer)
+                    continue
+                gc.disable()
+                try:
+                    t0 = time.perf_counter_ns()
+                    replay(trace, inst.alloc, inst.free)
+                    cold[peer.name].append((time.perf_counter_ns() - t0) / ev)
+                    t0 = time.perf_counter_ns()
+                    replay(trace, inst.alloc, inst.free)
+                    warm[peer.name].append((time.perf_counter_ns() - t0) / ev)
+                except Exception as exc:
+                    skipped(f"replay {label}", peer.name, f"{type(exc).__name__}: {exc}")
+                    live_peers.remove(peer)
+                finally:
+                    gc.enable()
+                    inst.close()
+        for peer in live_peers:
+            peak, fallbacks = peaks[peer.name]
+            note = f"{ev} events" + (f", {fallbacks} CPU fallbacks" if fallbacks else "")
+            record(f"replay {label} cold", peer.name, cold[peer.name], note=note)
+            record(f"replay {label} warm", peer.name, warm[peer.name])
+        for peer in live_peers:
+            peak, _ = peaks[peer.name]
+            if peak is not None:
+                record(f"peak held/peak live {label}", peer.name, [peak / trace.peak_live],
+                       unit="ratio", note=f"peak held {peak / 2**20:.1f} MiB, peak live "
+                                          f"{trace.peak_live / 2**20:.1f} MiB")
+        ref = _PYOPENCL_REF.get(name)
+        if ref is not None and scale == 1.0:
+            NOTES.append(f"traces README: pyopencl MemoryPool on PoCL, {name}: peak held / "
+                         f"peak live {ref}")
+
+
+_PYOPENCL_REF = {"gpt2_train": 1.358, "resnet50_train": 1.316, "gpt2_generate": 2.472,
+                 "bert_varlen_infer": 3.232}
+
+
+def _fallbacks(peer: Peer) -> int:
+    mm = getattr(peer, "last", None)
+    if mm is None:
+        return 0
+    try:
+        return mm.stats().cpu_fallbacks
+    except Exception:
+        return 0
+
+
+def fmt_size(n: int) -> str:
+    for unit, f in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+        if n >= f and n % f == 0:
+            return f"{n // f} {unit}"
+    return f"{n} B"
+
+
+def open_peers(candidates: list[Peer]) -> list[Peer]:
+    peers = []
+    for p in candidates:
+        try:
+            p.open()
+            peers.append(p)
+            print(f"  peer {p.name}: ok")
+        except Skip as exc:
+            print(f"  peer {p.name}: SKIPPED ({exc})")
+            skipped("(all)", p.name, str(exc))
+        except Exception as exc:
+            print(f"  peer {p.name}: SKIPPED ({type(exc).__name__}: {exc})")
+            skipped("(all)", p.name, f"{type(exc).__name__}: {exc}")
+    return peers
+
+
+# =============================================================================================
+# modes
+# =============================================================================================
+def run_sim(timer: Timer, args) -> dict:
+    from benchmarks import load_cbench
+    summary: dict = {}
+    # --- C level ---------------------------------------------------------------------------
+    try:
+        cb = load_cbench()
+    except NotImplementedError as exc:
+        cb = None
+        skipped("C-level", "gpumem", str(exc))
+        print(f"C-level benchmarks skipped: {exc}")
+    pairs = 200_000 if timer.quick else 1_000_000
+    if cb is not None:
+        for n in (512, 4 * KiB, 1 * MiB, 4 * MiB):
+            bp = cb.BlockPool()
+            bp.ensure_hits([n])
+            bp.hit_pair_ns([n], 10_000)
+            row = record(f"C pair (.pxd API) {fmt_size(n)}", "gpumem",
+                         [bp.hit_pair_ns([n], pairs) for _ in range(timer.repeats)],
+                         note=f"{pairs} pairs per repeat, nogil loop")
+            summary.setdefault("c_pair_ns", {})[fmt_size(n)] = row["median"]
+        summary["o1"] = o1_check(cb, timer, pairs)
+    # --- Python level ------------------------------------------------------------------------
+    from gpumem import MemoryConfig
+    dev = sim_device_string()
+    peers = [GpumemPeer(dev, config=MemoryConfig(track_allocations=False))]
+    track = GpumemPeer(dev, name="gpumem tracking on",
+                       config=MemoryConfig(track_allocations=True))
+    try:
+        track.open()
+        peers.append(track)
+    except Skip as exc:
+        skipped("(all)", track.name, str(exc))
+    bench_hit_pairs(timer, peers, sizes=(512, 4 * KiB, 1 * MiB, 8 * MiB))
+    bench_mixed(timer, peers, live=args.live or 10_000)
+    if not args.no_traces:
+        bench_traces(timer, peers[:1], budget=None)
+    return summary
+
+
+def o1_check(cb, timer: Timer, pairs: int) -> dict:
+    """Hit pairs against a pool caching ~1,000,000 free blocks and one caching ~10, measured
+    interleaved in this run. Three request patterns."""
+    import math
+    import random
+    rng = random.Random(7)
+    mixed = [int(math.exp(rng.uniform(math.log(512), math.log(16 * MiB)))) for _ in range(64)]
+    below = [int(math.exp(rng.uniform(math.log(512), math.log(60 * KiB)))) for _ in range(64)]
+    out = {}
+    t0 = time.perf_counter()
+    pools = {}
+    for lo in (512, 64 * KiB):
+        small = cb.BlockPool()
+        small.populate(40, lo=lo, target_free=10)
+        big = cb.BlockPool()
+        big.populate(2_400_000, lo=lo, target_free=1_000_000)
+        pools[lo] = (small, big)
+    build_s = time.perf_counter() - t0
+    cases = [("4 KiB", 512, [4 * KiB]),
+             ("64 sizes 512B-16MiB", 512, mixed),
+             ("split path: 64 sizes <60KiB, blocks >=64KiB", 64 * KiB, below + [4 * KiB])]
+    for label, lo, sizes in cases:
+        small, big = pools[lo]
+        small.ensure_hits(sizes)
+        big.ensure_hits(sizes)
+        small.hit_pair_ns(sizes, 20_000)
+        big.hit_pair_ns(sizes, 20_000)
+        s, b = [], []
+        for _ in range(timer.repeats):
+            s.append(small.hit_pair_ns(sizes, pairs))
+            b.append(big.hit_pair_ns(sizes, pairs))
+        record(f"O(1) {label}", f"gpumem, {small.free_blocks} free blocks", s)
+        record(f"O(1) {label}", f"gpumem, {big.free_blocks} free blocks", b)
+        ratio = statistics.median(b) / statistics.median(s)
+        record(f"O(1) {label}", "ratio 1M / 10", [ratio], unit="ratio")
+        out[label] = {"ns_10": statistics.median(s), "ns_1m": statistics.median(b),
+                      "free_small": small.free_blocks, "free_big": big.free_blocks,
+                      "ratio": ratio}
+    NOTES.append(f"O(1) pools built in {build_s:.1f} s (2.4M blocks allocated, every other one "
+                 f"freed between live neighbours until 1,000,000 are cached)")
+    return out
+
+
+def run_opencl(timer: Timer, args) -> dict:
+    from benchmarks import opencl_available
+    ok, reason = opencl_available()
+    if not ok:
+        print(f"OpenCL unavailable: {reason}")
+        skipped("(all)", "opencl", reason)
+        return {}
+    from gpumem import MemoryManager
+    probe = MemoryManager("opencl:0")
+    props = probe.device.properties()
+    usable = probe.usable_memory
+    free, total = probe.memory_info()
+    budget = device_budget(probe)
+    probe.close()
+    print(f"device opencl:0: {props.name} ({props.extra.get('platform')}), "
+          f"{total / 2**30:.2f} GiB reported, gpumem usable {usable / 2**30:.2f} GiB")
+    NOTES.append(f"opencl:0 = {props.name} on {props.extra.get('platform')}, "
+                 f"global memory {total / 2**30:.2f} GiB")
+    peers = open_peers([GpumemPeer("opencl:0"),
+                        GpumemPeer("opencl:0", name="gpumem + .native sub-buffer", native=True),
+                        PyOpenCLPeer("opencl:0")])
+    bench_hit_pairs(timer, peers)
+    live = args.live or fitting_live_count(budget)
+    if live < 10_000 and not args.live:
+        NOTES.append(f"mixed: {live} live buffers instead of 10,000 (10,000 of mean "
+                     f"{log_uniform_mean(KiB, 4 * MiB) / 2**10:.0f} KiB would not fit in "
+                     f"{budget / 2**30:.2f} GiB)")
+    # the .native variant is left out here: two gpumem managers on one OpenCL device share
+    # its free-memory estimate, so together they would not fit
+    bench_mixed(timer, [p for p in peers if "native" not in p.name], live=live, warmup=5_000)
+    if not args.no_traces:
+        bench_traces(timer, [p for p in peers if "native" not in p.name], budget=budget)
+    for p in peers:
+        p.shutdown()
+    return {}
+
+
+def run_cuda(timer: Timer, args) -> dict:
+    peers = open_peers([GpumemPeer("cuda:0"), CudaRawPeer(), CudaAsyncPeer(), CudaCorePeer(),
+                        CupyPeer(), TorchPeer()])
+    if not peers or peers[0].name != "gpumem":
+        print("gpumem cannot open cuda:0: nothing to compare")
+        return {}
+    from gpumem import MemoryManager
+    probe = MemoryManager("cuda:0")
+    budget = device_budget(probe)
+    probe.close()
+    bench_hit_pairs(timer, peers)
+    bench_mixed(timer, peers, live=args.live or fitting_live_count(budget))
+    if not args.no_traces:
+        bench_traces(timer, peers, budget=budget)
+    for p in peers:
+        p.shutdown()
+    return {}
+
+
+def summarize(backend: str, summary: dict) -> list[str]:
+    """The short final table: key figures and the targets they are checked against."""
+    lines = []
+
+    def med(bench, peer):
+        for r in RESULTS:
+            if r.get("bench") == bench and r.get("peer") == peer and "median" in r:
+                return r["median"]
+        return None
+
+    if backend == "sim":
+        c = summary.get("c_pair_ns", {})
+        if c:
+            v = c.get("4 KiB")
+            lines.append(f"C-level hit pair 4 KiB: {v:.1f} ns (target <= 40 ns: "
+                         f"{'met' if v <= 40 else 'MISSED'})")
+        for label, o in summary.get("o1", {}).items():
+            lines.append(f"O(1) {label}: {o['ns_1m']:.1f} ns with {o['free_big']} free blocks "
+                         f"vs {o['ns_10']:.1f} ns with {o['free_small']}: ratio "
+                         f"{o['ratio']:.2f} (target <= 1.5: "
+                         f"{'met' if o['ratio'] <= 1.5 else 'MISSED'})")
+        for n in ("4 KiB", "1 MiB"):
+            v = med(f"hit pair {n}", "gpumem")
+            loop = med(f"hit pair {n}", "python loop + 2 calls")
+            if v:
+                lines.append(f"Python-level hit pair {n}: {v:.0f} ns (loop + 2 trivial calls "
+                             f"alone: {loop:.0f} ns)")
+    else:
+        for n in ("4 KiB", "1 MiB"):
+            g = med(f"hit pair {n}", "gpumem")
+            floor = med(f"hit pair {n}", "python loop + 2 calls")
+            if g is None:
+                continue
+            for r in RESULTS:
+                if (r.get("bench") == f"hit pair {n}" and "median" in r
+                        and r["peer"] not in ("gpumem", "python loop + 2 calls")):
+                    ratio = r["median"] / g
+                    target = ""
+                    if r["peer"] == "pyopencl MemoryPool":
+                        target = f" (target >= 3x: {'met' if ratio >= 3 else 'MISSED'})"
+                    net = ""
+                    if floor is not None and g > floor:
+                        net = (f"; net of the {floor:.0f} ns loop floor "
+                               f"{(r['median'] - floor) / (g - floor):.2f}x")
+                    lines.append(f"hit pair {n}: {r['peer']} {r['median']:.0f} ns / gpumem "
+                                 f"{g:.0f} ns = {ratio:.2f}x{target}{net}")
+    for r in RESULTS:
+        if r.get("bench", "").startswith("mixed") and "median" in r:
+            lines.append(f"{r['bench']}: {r['peer']} {r['median']:.0f} ns per step")
+    for r in RESULTS:
+        if r.get("bench", "").startswith("peak held/peak live"):
+            lines.append(f"{r['bench'][len('peak held/peak live '):]}: {r['peer']} "
+                         f"peak held / peak live {r['median']:.3f}")
+    return lines
+
+
+def _git_commit() -> str:
+    import subprocess
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, text=True,
+                              capture_output=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=HERE, text=True, capture_output=True, timeout=10).stdout
+        return (head or "?") + ("+changes" if dirty.strip() else "")
+    except Exception:
+        return "?"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--backend", choices=("sim", "opencl", "cuda"), default="sim")
+    ap.add_argument("--quick", action="store_true", help="fewer, shorter repeats")
+    ap.add_argument("--no-traces", action="store_true", help="skip the trace replays")
+    ap.add_argument("--live", type=int, metavar="N",
+                    help="live buffers in the mixed benchmark (default: 10,000, or as many as "
+                         "fit in half of what gpumem may take from the device)")
+    ap.add_argument("--json", metavar="PATH", help="also save every figure as JSON")
+    args = ap.parse_args(argv)
+
+    timer = Timer(args.quick)
+    started = datetime.datetime.now()
+    commit = _git_commit()
+    print(f"gpumem compare: backend {args.backend}, {'quick' if args.quick else 'full'}; "
+          f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+          f"Python {platform.python_version()}; repo at {commit}; {started:%Y-%m-%d %H:%M}")
+    mode = {"sim": run_sim, "opencl": run_opencl, "cuda": run_cuda}[args.backend]
+    summary = mode(timer, args)
+    print_table([r for r in RESULTS if r.get("bench") != "(all)"])
+    skipped_peers = [r for r in RESULTS if r.get("bench") == "(all)"]
+    for r in skipped_peers:
+        print(f"skipped peer {r['peer']}: {r['skipped']}")
+    for n in NOTES:
+        print(f"note: {n}")
+    print("\nsummary")
+    lines = summarize(args.backend, summary)
+    for line in lines:
+        print(f"  {line}")
+    print(f"(took {(datetime.datetime.now() - started).total_seconds():.0f} s)")
+    if args.json:
+        doc = {"command": " ".join([Path(sys.executable).name] + sys.argv),
+               "date": started.isoformat(timespec="seconds"),
+               "backend": args.backend, "quick": args.quick, "commit": commit,
+               "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+                           "processor": platform.processor(),
+                           "python": platform.python_version()},
+               "results": RESULTS, "notes": NOTES, "summary": lines, "raw_summary": summary}
+        Path(args.json).write_text(json.dumps(doc, indent=1, default=str))
+        print(f"saved {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
