@@ -21,12 +21,13 @@ import sys
 import threading
 import time
 import weakref
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from gpumem.units import format_bytes, parse_size
 
 __all__ = ["BufferMetadata", "AllocationTracker"]
+
+_new_meta = tuple.__new__
 
 log = logging.getLogger("gpumem")
 
@@ -41,8 +42,7 @@ MAX_STACK_DEPTH = 16
 REPORT_LIMIT = 20
 
 
-@dataclass(frozen=True)
-class BufferMetadata:
+class BufferMetadata(NamedTuple):
     """What the tracker knows about one live buffer.
 
     ``created_at`` is ``time.monotonic()`` (for ages), ``created_wall`` is ``time.time()``;
@@ -110,13 +110,14 @@ class AllocationTracker:
 
     # --- observer protocol ------------------------------------------------------------------------
     def on_alloc(self, buf: Any) -> None:
+        # a NamedTuple built positionally: this runs on every malloc while tracking is on
         nbytes = buf.nbytes
-        meta = BufferMetadata(
-            id=buf.id, nbytes=nbytes, elements=nbytes, location=buf.location, tag=buf.tag,
-            created_at=time.monotonic(), created_wall=time.time(), device=buf.device,
-            stream=buf.stream, stack=_capture_stack() if self.capture_stacks else None)
+        location = buf.location
+        meta = _new_meta(BufferMetadata, (
+            buf.id, nbytes, nbytes, location, buf.tag, time.monotonic(), time.time(), buf.device,
+            buf.stream, _capture_stack() if self.capture_stacks else None))
         with self._lock:
-            self._live[(meta.location, meta.id)] = meta
+            self._live[(location, meta.id)] = meta
             self.total_allocs += 1
             self._bytes += nbytes
             if self._bytes > self.peak_bytes:
