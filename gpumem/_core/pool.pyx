@@ -359,6 +359,42 @@ cdef int gm_free(gm_pool* p, gm_block* b, uint64_t serial) noexcept nogil:
 
 
 # ---------------------------------------------------------------------------------------------
+cdef gm_segment* _link_new_segment(gm_pool* p, uint64_t handle, size_t base, size_t size,
+                                   bint is_small, uint64_t stream, int* hi) noexcept nogil:
+    """Lock held: a new segment record whose one free block spans it, linked into the pool and
+    counted as reserved and wholly free but in no heap yet; *hi is the heap it belongs to.
+    NULL when host memory for the records runs out (nothing changed then)."""
+    cdef gm_segment* seg = <gm_segment*>calloc(1, sizeof(gm_segment))
+    cdef gm_block* b
+    cdef int k
+    if seg == NULL:
+        return NULL
+    k = _register_stream(p, stream)
+    b = _new_block(p) if k >= 0 else NULL
+    if b == NULL:
+        free(seg)
+        return NULL
+    seg.handle = handle
+    seg.base = base
+    seg.size = size
+    seg.is_small = is_small
+    seg.stream = stream
+    seg.first = b
+    seg.next = p.segments
+    if p.segments != NULL:
+        p.segments.prev = seg
+    p.segments = seg
+    b.segment = seg
+    b.offset = 0
+    b.size = size
+    b.stream = stream
+    gm_add(p.stats.reserved_bytes, size)
+    gm_add(p.stats.num_segments, 1)
+    gm_add(p.stats.whole_free_bytes, size)      # _carve takes it off again when carved
+    hi[0] = 2 * k + (0 if is_small else 1)
+    return seg
+
+
 cdef size_t _largest_free(gm_pool* p) noexcept nogil:
     """The biggest free block (lock held): the highest non-empty class of each heap."""
     cdef gm_heap* h
@@ -561,52 +597,28 @@ cdef class CachingPool:
         cdef gm_pool* p = self._p
         cdef size_t s = gm_round(p, nbytes)
         cdef gm_segment* seg
-        cdef gm_block* b
-        cdef int k, hi
+        cdef int hi
         if seg_size < s:
             raise ValueError(f"segment of {seg_size} bytes cannot hold a {s}-byte block")
-        seg = <gm_segment*>calloc(1, sizeof(gm_segment))
-        if seg == NULL:
-            raise MemoryError("cannot allocate a segment record")
         _lock(p)
-        k = _register_stream(p, stream)
-        b = _new_block(p) if k >= 0 else NULL
-        if b == NULL:
+        seg = _link_new_segment(p, handle, base, seg_size, s <= p.cfg.small_size, stream, &hi)
+        if seg == NULL:
             _unlock(p)
-            free(seg)
-            raise MemoryError("cannot allocate a block record")
-        seg.handle = handle
-        seg.base = base
-        seg.size = seg_size
-        seg.is_small = s <= p.cfg.small_size
-        seg.stream = stream
-        seg.first = b
-        seg.next = p.segments
-        if p.segments != NULL:
-            p.segments.prev = seg
-        p.segments = seg
-        b.segment = seg
-        b.offset = 0
-        b.size = seg_size
-        b.stream = stream
-        hi = 2 * k + (0 if seg.is_small else 1)
-        gm_add(p.stats.reserved_bytes, seg_size)
+            raise MemoryError("cannot allocate a segment record")
         gm_max(p.stats.peak_reserved_bytes, p.stats.reserved_bytes.load(memory_order_relaxed))
-        gm_add(p.stats.num_segments, 1)
         gm_add(p.stats.segments_created, 1)
         gm_add(p.stats.misses, 1)
-        gm_add(p.stats.whole_free_bytes, seg_size)   # _carve takes it off again
-        if _carve(p, b, s, nbytes, stream, hi) < 0:
+        if _carve(p, seg.first, s, nbytes, stream, hi) < 0:
             # undo the adoption: the caller returns the segment to the driver
-            _heap_insert(p.heaps[hi], b, hi)
+            _heap_insert(p.heaps[hi], seg.first, hi)
             _detach_segment(p, seg)
             gm_sub(p.stats.segments_created, 1)
             gm_sub(p.stats.segments_released, 1)
             gm_sub(p.stats.misses, 1)
             _unlock(p)
             raise MemoryError("cannot allocate a block record")
+        out[0] = seg.first
         _unlock(p)
-        out[0] = b
         return 0
 
     def release_free_segments(self, size_t max_bytes=SIZE_MAX) -> list:
@@ -661,37 +673,14 @@ cdef class CachingPool:
                         uint64_t stream) -> None:
         """Put back a segment detached by release_free_segments (the backend kept it)."""
         cdef gm_pool* p = self._p
-        cdef gm_segment* seg = <gm_segment*>calloc(1, sizeof(gm_segment))
-        cdef gm_block* b
-        cdef int k, hi
-        if seg == NULL:
-            raise MemoryError("cannot allocate a segment record")
+        cdef gm_segment* seg
+        cdef int hi
         _lock(p)
-        k = _register_stream(p, stream)
-        b = _new_block(p) if k >= 0 else NULL
-        if b == NULL:
+        seg = _link_new_segment(p, handle, base, size, is_small, stream, &hi)
+        if seg == NULL:
             _unlock(p)
-            free(seg)
-            raise MemoryError("cannot allocate a block record")
-        seg.handle = handle
-        seg.base = base
-        seg.size = size
-        seg.is_small = is_small
-        seg.stream = stream
-        seg.first = b
-        seg.next = p.segments
-        if p.segments != NULL:
-            p.segments.prev = seg
-        p.segments = seg
-        b.segment = seg
-        b.offset = 0
-        b.size = size
-        b.stream = stream
-        hi = 2 * k + (0 if is_small else 1)
-        _heap_insert(p.heaps[hi], b, hi)
-        gm_add(p.stats.whole_free_bytes, size)
-        gm_add(p.stats.reserved_bytes, size)
-        gm_add(p.stats.num_segments, 1)
+            raise MemoryError("cannot allocate a segment record")
+        _heap_insert(p.heaps[hi], seg.first, hi)
         gm_sub(p.stats.segments_released, 1)
         _unlock(p)
 
