@@ -23,8 +23,8 @@ import warnings
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
 
 from gpumem._core.buffer import Buffer
-from gpumem.errors import (ClosedManagerError, DoubleFreeError, DriverOutOfMemory,
-                           ForeignBufferError, InvalidInputError)
+from gpumem.errors import (ClosedManagerError, DoubleFreeError, ForeignBufferError,
+                           InvalidInputError)
 from gpumem.fallback import FallbackBuffer
 
 if TYPE_CHECKING:
@@ -251,37 +251,22 @@ def _carve_group(manager: "MemoryManager", nbytes: list[int], group: list[int], 
     segment. Returns the indices left unserved (no segment could be had, or a request did not
     land in it)."""
     pool = manager.pool
-    device = manager.device
     max_split = manager.config.max_split_size
     total = sum(pool.round_size(nbytes[i]) for i in group)
     preferred = max(total, pool.segment_size(nbytes[group[0]]))
     if max_split is not None and preferred >= max_split and total < max_split:
         preferred = total
-    # as MemoryManager._grow: per-bucket excess first, idle segments before growing
-    manager._release_excess_per_bucket()
-    if manager.config.release_before_grow and pool.whole_free_bytes >= preferred:
-        manager._release_cached(reason="release before grow (batch)")
-    reserved = pool.reserved_bytes
-    free, _ = device.mem_get_info()
-    handle = base = seg_size = None
-    for size in dict.fromkeys((preferred, total)):     # the full segment, else the exact sum
-        if not manager._segment_allowed(size, reserved, free):
-            continue
-        try:
-            handle, base = device.alloc_segment(size)
-        except DriverOutOfMemory:
-            continue
-        seg_size = size
-        break
-    if handle is None:
+    seg = manager._new_segment((preferred, total))     # the full segment, else the exact sum
+    if seg is None:
         return list(group)
+    handle, base, seg_size = seg
     first = group[0]
     try:
         out[first] = manager._alloc_in_new_segment(handle, base, seg_size, nbytes[first], stream,
                                                    tag)
     except BaseException:
         if handle not in manager.pool.live_segment_handles():
-            device.free_segment(handle)   # the pool did not adopt it
+            manager.device.free_segment(handle)   # the pool did not adopt it
         raise                             # else the caller's undo returns it
     left = []
     for i in group[1:]:

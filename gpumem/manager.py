@@ -215,35 +215,45 @@ class MemoryManager(ManagerCore):
     def _grow(self, nbytes: int, stream: int, tag: Any) -> Buffer | None:
         """A new segment from the driver, within usable_memory and min_free_bytes."""
         self._check_fragmentation(nbytes)
-        self._release_excess_per_bucket()
-        seg_size = self.pool.segment_size(nbytes)
-        if (self.config.release_before_grow and self.pool.whole_free_bytes >= seg_size
-                and self.pool.reserved_bytes + seg_size > self.pool.peak_reserved_bytes):
-            # growth would set a new high-water mark while idle segments could offset it:
-            # give back as much as we are about to take (largest first). Below the mark the
-            # cache is kept, so a warm steady state does not churn the driver.
-            self._release_cached(seg_size, reason="release before grow")
-        reserved = self.pool.reserved_bytes
-        free, _ = self.device.mem_get_info()
-        if not self._segment_allowed(seg_size, reserved, free):
-            seg_size = self.pool.round_size(nbytes)   # no headroom for a full segment
-            if not self._segment_allowed(seg_size, reserved, free):
-                return None
-        try:
-            handle, base = self.device.alloc_segment(seg_size)
-        except DriverOutOfMemory as exc:
-            log.debug("driver refused a %s segment on %s: %s", format_bytes(seg_size),
-                      self.device_string, exc)
+        seg = self._new_segment((self.pool.segment_size(nbytes), self.pool.round_size(nbytes)))
+        if seg is None:
             return None
+        handle, base, seg_size = seg
         try:
             buf = self._alloc_in_new_segment(handle, base, seg_size, nbytes, stream, tag)
         except BaseException:
-            self.device.free_segment(handle)
+            self.device.free_segment(handle)      # the pool did not adopt it
             raise
-        log.debug("new %s segment on %s (reserved now %s)", format_bytes(seg_size),
-                  self.device_string, format_bytes(self.pool.reserved_bytes))
         self._update_pressure()
         return buf
+
+    def _new_segment(self, sizes: Sequence[int]) -> tuple[int, int, int] | None:
+        """``(handle, base, size)`` of a raw segment of the first of `sizes` (largest first:
+        the preferred size, then fall-backs) that the limits allow and the driver grants; None
+        if none. Idle cached segments are given back first as the config asks."""
+        self._release_excess_per_bucket()
+        preferred = sizes[0]
+        if (self.config.release_before_grow and self.pool.whole_free_bytes >= preferred
+                and self.pool.reserved_bytes + preferred > self.pool.peak_reserved_bytes):
+            # growth would set a new high-water mark while idle segments could offset it:
+            # give back as much as we are about to take (largest first). Below the mark the
+            # cache is kept, so a warm steady state does not churn the driver.
+            self._release_cached(preferred, reason="release before grow")
+        reserved = self.pool.reserved_bytes
+        free, _ = self.device.mem_get_info()
+        for size in dict.fromkeys(sizes):
+            if not self._segment_allowed(size, reserved, free):
+                continue
+            try:
+                handle, base = self.device.alloc_segment(size)
+            except DriverOutOfMemory as exc:
+                log.debug("driver refused a %s segment on %s: %s", format_bytes(size),
+                          self.device_string, exc)
+                return None
+            log.debug("new %s segment on %s (reserved now %s)", format_bytes(size),
+                      self.device_string, format_bytes(reserved + size))
+            return handle, base, size
+        return None
 
     def _check_fragmentation(self, nbytes: int) -> None:
         """On a miss that needs a new segment: warn when the cache holds enough free bytes for
