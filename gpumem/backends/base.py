@@ -59,7 +59,7 @@ class Device(abc.ABC):
 
     @abc.abstractmethod
     def mem_get_info(self) -> tuple[int, int]:
-        """``(free, total)`` bytes, from the driver (never a hard-coded size)."""
+        """``(free, total)`` bytes, from the driver, never an assumed size."""
 
     def recommended_reserve(self, total: int) -> int:
         """Bytes of ``total`` a manager should leave to the driver and context (CUDA: driver

@@ -131,7 +131,7 @@ def host_memory_info() -> tuple[int, int]:
     """``(free, total)`` bytes of host memory from the OS.
 
     Linux: ``MemAvailable``/``MemTotal`` of ``/proc/meminfo``, narrowed by a cgroup memory limit
-    when one is set. Elsewhere: ``sysconf`` page counts. Never a hard-coded size.
+    when one is set. Elsewhere: ``sysconf`` page counts. Never an assumed size.
     """
     free = total = None
     try:
