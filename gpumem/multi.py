@@ -120,6 +120,7 @@ class MultiDeviceManager(PlacementCore):
         self._managers: tuple[MemoryManager, ...] = tuple(managers)
         self._owned = frozenset(id(m) for m in owned)
         self._by_device = {m.device_string: m for m in managers}
+        self._set_members(self._managers)
         self._policy = policy
         self._choose = choose
         self._affinity: dict[Hashable, MemoryManager] = {}
@@ -234,9 +235,9 @@ class MultiDeviceManager(PlacementCore):
             raise InvalidInputError(f"nbytes must be >= 0, got {n}")
         return n
 
-    def free(self, buf: Buffer | FallbackBuffer) -> None:
-        """Free a buffer through the manager that allocated it (ForeignBufferError if that is
-        not one of this object's managers)."""
+    def _free_other(self, buf: Buffer | FallbackBuffer) -> None:
+        """free() for what PlacementCore.free does not handle at C speed: fallback buffers,
+        foreign buffers (an error) and wrong types."""
         if isinstance(buf, Buffer):
             mgr = buf.manager
         elif isinstance(buf, FallbackBuffer):

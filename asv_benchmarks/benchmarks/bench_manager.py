@@ -1,6 +1,5 @@
-"""MemoryManager at Python level on a big simulated device: the hit pair, a mixed workload,
-with allocation tracking off and on (track_allocations=True needs gpumem.tracking; the "on"
-cases are skipped while it does not exist)."""
+"""MemoryManager at Python level on a big simulated device: the hit pair and a mixed workload,
+with allocation tracking off and on."""
 from . import KiB, MiB, MixedWorkload, sim_manager
 
 

@@ -362,9 +362,28 @@ cdef class PlacementCore:
     else (a name, a stream, another policy, a closed manager) goes to `_allocate`."""
 
     cdef tuple _fast_cores             # ManagerCores for the fast path, or None
+    cdef tuple _members                # every manager whose buffers free() accepts
 
     def _set_fast_path(self, cores) -> None:
         self._fast_cores = None if cores is None else tuple(cores)
+
+    def _set_members(self, managers) -> None:
+        self._members = tuple(managers)
+
+    def free(self, buffer) -> None:
+        """Free a buffer through the manager that allocated it (ForeignBufferError if that is
+        not one of this object's managers)."""
+        cdef ManagerCore owner
+        if type(buffer) is Buffer and self._members is not None:
+            owner = (<Buffer>buffer)._owner
+            for m in self._members:
+                if m is owner:
+                    owner._release(<Buffer>buffer)
+                    return
+        self._free_other(buffer)
+
+    def _free_other(self, buffer):
+        raise TypeError("PlacementCore is abstract: use gpumem.MultiDeviceManager")
 
     def allocate_on_best_device(self, nbytes, name=None, *, stream=None, tag=None):
         """Allocate nbytes on the device the policy picks; a `name` pins the device on its
