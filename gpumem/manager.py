@@ -197,7 +197,7 @@ class MemoryManager(ManagerCore):
             return
         try:
             self.device.stream_idle(stream)       # the device validates the handle
-        except DriverError as exc:
+        except (DriverError, InvalidInputError) as exc:   # drivers differ in which they raise
             raise InvalidInputError(f"stream {stream} is not a stream of {self.device_string}: "
                                     f"{exc}") from None
         self.pool.register_stream(stream)

@@ -294,6 +294,19 @@ def test_destroyed_stream_is_rejected(busy):
             mm.malloc(4096, stream=s)
 
 
+def test_stream_of_another_device_is_rejected(sim_device, make_manager):
+    """A stream made on sim:1 is not a stream of sim:0: refused, nothing changes on sim:0."""
+    sim_device("1GiB", count=2)
+    mm = make_manager("sim:0")
+    keep = mm.malloc(4096)
+    other = gpumem_sim.installed()[1]
+    foreign = [other.create_stream() for _ in range(3)][-1]   # no such handle on sim:0
+    with Unchanged(mm):
+        with pytest.raises(InvalidInputError, match="not a stream of sim:0"):
+            mm.malloc(4096, stream=foreign)
+    check(mm, [keep])
+
+
 # --- devices ------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("device", ["tpu:0", "gpu", "", "sim0", "cuda0"])
 def test_unknown_device_string(sim_device, device):
