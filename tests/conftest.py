@@ -63,6 +63,16 @@ class SimFactory:
 
 
 @pytest.fixture
+def clean_registry(monkeypatch: pytest.MonkeyPatch):
+    """No simulated devices and no GPUMEM_SIM_DEVICES during the test (the module installs its
+    own); the registry is emptied again afterwards."""
+    monkeypatch.delenv(gpumem_sim.ENV_VAR, raising=False)
+    gpumem_sim.uninstall()
+    yield
+    gpumem_sim.uninstall()
+
+
+@pytest.fixture
 def sim_device():
     """A SimFactory; the registry (and GPUMEM_SIM_DEVICES) is restored afterwards."""
     saved_env = os.environ.pop(gpumem_sim.ENV_VAR, None)

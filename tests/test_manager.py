@@ -487,6 +487,7 @@ def test_non_oom_driver_error_is_not_mistaken_for_pressure(sim_device, make_mana
     with pytest.raises(DriverError) as info:
         mm.malloc(4096)
     assert not isinstance(info.value, MemoryError)
+    assert dev.alloc_calls == 1                       # raised at once: no ladder, no retry
     assert snapshot_state(mm) == before
     assert mm.stats().cpu_fallbacks == 0
     check(mm, [])

@@ -24,12 +24,7 @@ from gpumem_sim import SimDevice
 MiB = 1 << 20
 
 
-@pytest.fixture(autouse=True)
-def clean_registry(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.delenv(gpumem_sim.ENV_VAR, raising=False)
-    gpumem_sim.uninstall()
-    yield
-    gpumem_sim.uninstall()
+pytestmark = pytest.mark.usefixtures("clean_registry")   # see conftest.py
 
 
 def make(capacity: int = 1000 * MiB, *, device: SimDevice | None = None,

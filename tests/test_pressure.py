@@ -25,12 +25,7 @@ LOW, MEDIUM, HIGH, CRITICAL = (MemoryPressure.LOW, MemoryPressure.MEDIUM, Memory
                                MemoryPressure.CRITICAL)
 
 
-@pytest.fixture(autouse=True)
-def clean_registry(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.delenv(gpumem_sim.ENV_VAR, raising=False)
-    gpumem_sim.uninstall()
-    yield
-    gpumem_sim.uninstall()
+pytestmark = pytest.mark.usefixtures("clean_registry")   # see conftest.py
 
 
 def _backends() -> list[str]:

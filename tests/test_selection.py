@@ -22,12 +22,7 @@ CFG = MemoryConfig(min_free_bytes=0, gpu_memory_fraction=1.0, reserve_bytes=0)
 SIMS = ["sim:0", "sim:1", "sim:2"]
 
 
-@pytest.fixture(autouse=True)
-def clean_registry(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.delenv(gpumem_sim.ENV_VAR, raising=False)
-    gpumem_sim.uninstall()
-    yield
-    gpumem_sim.uninstall()
+pytestmark = pytest.mark.usefixtures("clean_registry")   # see conftest.py
 
 
 @pytest.fixture

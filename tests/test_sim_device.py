@@ -22,12 +22,7 @@ from gpumem.units import GiB, KiB, MiB
 from gpumem_sim import SimCall, SimDevice
 
 
-@pytest.fixture(autouse=True)
-def clean_registry(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.delenv(gpumem_sim.ENV_VAR, raising=False)
-    gpumem_sim.uninstall()
-    yield
-    gpumem_sim.uninstall()
+pytestmark = pytest.mark.usefixtures("clean_registry")   # see conftest.py
 
 
 def outcomes(dev: SimDevice, n: int, nbytes: int = 256) -> list[bool]:
