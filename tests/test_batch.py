@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import os
 
 import numpy as np
 import pytest
 
 import gpumem_sim
+from backend_choice import chosen_backends
 from gpumem import Buffer, FallbackBuffer, MemoryConfig, MemoryManager
 from gpumem.backends import get_backend
 from gpumem.batch import BufferBatch, allocate_batch, warmup
@@ -28,13 +28,7 @@ MiB = 1 << 20
 pytestmark = pytest.mark.usefixtures("clean_registry")   # see conftest.py
 
 
-def _backends() -> list[str]:
-    env = os.environ.get("GPUMEM_TEST_BACKENDS", "").strip()
-    names = [n.strip().lower() for n in env.split(",") if n.strip()] or ["sim"]
-    return [n for n in ("sim", "cpu", "opencl", "cuda") if n in names]
-
-
-@pytest.fixture(params=_backends())
+@pytest.fixture(params=chosen_backends())
 def manager(request):
     """A fresh manager on each selected backend (sim: 4 GiB with host-backed bytes)."""
     name = request.param

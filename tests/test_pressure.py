@@ -8,12 +8,12 @@ only ``sim`` runs. Every test leaves the sim registry as it found it.
 from __future__ import annotations
 
 import math
-import os
 import warnings
 
 import pytest
 
 import gpumem_sim
+from backend_choice import chosen_backends
 from gpumem import MemoryConfig, MemoryManager, MemoryPressure
 from gpumem.backends import get_backend
 from gpumem.errors import InvalidInputError
@@ -28,13 +28,7 @@ LOW, MEDIUM, HIGH, CRITICAL = (MemoryPressure.LOW, MemoryPressure.MEDIUM, Memory
 pytestmark = pytest.mark.usefixtures("clean_registry")   # see conftest.py
 
 
-def _backends() -> list[str]:
-    env = os.environ.get("GPUMEM_TEST_BACKENDS", "").strip()
-    names = [n.strip().lower() for n in env.split(",") if n.strip()] or ["sim"]
-    return [n for n in ("sim", "cpu", "opencl", "cuda") if n in names]
-
-
-@pytest.fixture(params=_backends())
+@pytest.fixture(params=chosen_backends())
 def device(request) -> str:
     """A device string on each selected backend (sim: a fresh 4 GiB simulated device)."""
     name = request.param
