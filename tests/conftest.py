@@ -9,6 +9,9 @@
 - ``manager``: ``make_manager()`` on a fresh 4 GiB host-backed sim device.
 - ``backend_manager``: the same test on each backend of ``GPUMEM_TEST_BACKENDS`` (comma list
   among sim, cpu, opencl, cuda); unset: all four, each unavailable one skipped with its reason.
+- ``clean_registry``: no simulated devices and no GPUMEM_SIM_DEVICES during the test.
+
+Plain helpers (backend selection, ``sim_manager``) are in invariants.py.
 """
 from __future__ import annotations
 
@@ -21,9 +24,7 @@ sys.path.insert(0, os.path.dirname(__file__))   # `import invariants` from any t
 
 import gpumem_sim  # noqa: E402
 from gpumem import MemoryConfig, MemoryManager  # noqa: E402
-from gpumem.backends import get_backend  # noqa: E402
-
-ALL_BACKENDS = ("sim", "cpu", "opencl", "cuda")
+from invariants import device_string, require_backend, selected_backends  # noqa: E402
 
 #: A config that uses the whole device and makes out-of-memory visible.
 PERMISSIVE = dict(min_free_bytes=0, gpu_memory_fraction=1.0, cpu_fallback_enabled=False,
@@ -32,15 +33,6 @@ PERMISSIVE = dict(min_free_bytes=0, gpu_memory_fraction=1.0, cpu_fallback_enable
 
 def permissive_config(**changes) -> MemoryConfig:
     return MemoryConfig(**{**PERMISSIVE, **changes})
-
-
-def selected_backends() -> list[str]:
-    env = os.environ.get("GPUMEM_TEST_BACKENDS", "").strip()
-    if not env:
-        return list(ALL_BACKENDS)
-    names = [n.strip().lower() for n in env.split(",") if n.strip()]
-    # unknown names are kept: the fixture fails them loudly (a typo must not pass silently)
-    return [n for n in ALL_BACKENDS if n in names] + [n for n in names if n not in ALL_BACKENDS]
 
 
 def pytest_configure(config):
@@ -111,16 +103,11 @@ def manager(make_manager) -> MemoryManager:
     return make_manager()
 
 
-@pytest.fixture(params=selected_backends())
+# unknown names are kept: require_backend fails them loudly (a typo must not pass silently)
+@pytest.fixture(params=selected_backends(keep_unknown=True))
 def backend_name(request) -> str:
-    name = request.param
-    if name not in ALL_BACKENDS:
-        pytest.fail(f"GPUMEM_TEST_BACKENDS names an unknown backend {name!r}; choose among "
-                    f"{', '.join(ALL_BACKENDS)}", pytrace=False)
-    ok, reason = get_backend(name).availability()
-    if not ok:
-        pytest.skip(f"backend {name!r} unavailable: {reason}")
-    return name
+    require_backend(request.param)
+    return request.param
 
 
 @pytest.fixture
@@ -129,11 +116,6 @@ def backend_manager(backend_name, sim_device):
     host-backed SimDevice)."""
     if backend_name == "sim":
         sim_device("2GiB", back_memory=True)
-        device = "sim:0"
-    elif backend_name == "cpu":
-        device = "cpu"
-    else:
-        device = f"{backend_name}:0"
-    mm = MemoryManager(device, permissive_config())
+    mm = MemoryManager(device_string(backend_name), permissive_config())
     yield mm
     mm.close()

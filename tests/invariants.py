@@ -12,14 +12,92 @@ checks from Python what a user can see:
 - the device agrees with the pool: on sim the driver's live segments are exactly the pool's
   (handles, bases, sizes, ``live_bytes == reserved``); on cpu ``bytes_held`` equals reserved; on
   OpenCL every pool segment is a live segment of the device.
+
+It also holds the plain helpers test modules share (fixtures live in conftest.py):
+
+- ``selected_backends(default)``: the backends named by ``GPUMEM_TEST_BACKENDS``, or ``default``
+  when it is unset (conftest's fixtures: all four; modules written for the simulated device
+  first pass ``("sim",)``); ``backend_device(name, ...)`` turns one into a device string,
+  skipping an unavailable backend with its reason.
+- ``sim_manager(capacity, ...)``: a MemoryManager on a fresh SimDevice, with a base config
+  (``EXACT``: usable memory is the capacity; ``QUIET``: the same, no automatic responses).
 """
 from __future__ import annotations
 
+import os
 from typing import Any, Iterable
 
-from gpumem import FallbackBuffer
+import pytest
 
-__all__ = ["check", "live_ranges", "stats_without", "snapshot_state"]
+import gpumem_sim
+from gpumem import FallbackBuffer, MemoryConfig, MemoryManager
+from gpumem.backends import get_backend
+
+__all__ = ["check", "live_ranges", "stats_without", "snapshot_state",
+           "ALL_BACKENDS", "selected_backends", "require_backend", "device_string",
+           "backend_device", "EXACT", "QUIET", "sim_manager"]
+
+ALL_BACKENDS = ("sim", "cpu", "opencl", "cuda")
+
+
+def selected_backends(default: Iterable[str] = ALL_BACKENDS, *,
+                      keep_unknown: bool = False) -> list[str]:
+    """The backends named in ``GPUMEM_TEST_BACKENDS`` (comma list, any case), in the order of
+    ``ALL_BACKENDS``; ``default`` when it is unset or empty. Unknown names are dropped, or with
+    ``keep_unknown`` kept at the end (so ``require_backend`` fails them loudly)."""
+    env = os.environ.get("GPUMEM_TEST_BACKENDS", "").strip()
+    names = [n.strip().lower() for n in env.split(",") if n.strip()] or list(default)
+    known = [n for n in ALL_BACKENDS if n in names]
+    return known + [n for n in names if n not in ALL_BACKENDS] if keep_unknown else known
+
+
+def require_backend(name: str) -> None:
+    """Fail on a name that is no backend (a typo must not pass silently); skip the test, with
+    the reason, when the backend is unavailable here."""
+    if name not in ALL_BACKENDS:
+        pytest.fail(f"GPUMEM_TEST_BACKENDS names an unknown backend {name!r}; choose among "
+                    f"{', '.join(ALL_BACKENDS)}", pytrace=False)
+    ok, reason = get_backend(name).availability()
+    if not ok:
+        pytest.skip(f"backend {name!r} unavailable: {reason}")
+
+
+def device_string(name: str) -> str:
+    """Device 0 of backend ``name``: ``"cpu"``, ``"sim:0"``, ``"opencl:0"``, ``"cuda:0"``."""
+    return "cpu" if name == "cpu" else f"{name}:0"
+
+
+def backend_device(name: str, capacity: int | str = "4GiB", **sim_options: Any) -> str:
+    """``require_backend(name)``, then the device string of its device 0; for ``sim`` a fresh
+    ``SimDevice(capacity, **sim_options)`` is installed as sim:0 first (replacing any)."""
+    require_backend(name)
+    if name == "sim":
+        gpumem_sim.install(gpumem_sim.SimDevice(capacity, **sim_options))
+    return device_string(name)
+
+
+#: Usable memory is exactly the device's capacity (no fraction, no reserve, no min free), and an
+#: out-of-memory is an error a test sees (no CPU fallback).
+EXACT = dict(min_free_bytes=0, gpu_memory_fraction=1.0, reserve_bytes=0,
+             cpu_fallback_enabled=False)
+#: ``EXACT`` with the automatic responses off: the driver is asked only what the test causes.
+QUIET = dict(EXACT, release_before_grow=False, auto_release_at_high=False,
+             auto_cleanup_at_critical=False)
+
+
+def sim_manager(capacity: int | str, *, device: Any = None, back_memory: bool = False,
+                seed: int = 0, install: bool = True, base: dict | None = None,
+                **config: Any) -> tuple[Any, MemoryManager]:
+    """``(device, manager)``: a fresh ``SimDevice(capacity, back_memory=, seed=)`` (or the given
+    ``device``) and a MemoryManager on it with ``MemoryConfig(**{**base, **config})`` (``base``
+    defaults to ``EXACT``). With ``install`` the device is installed as sim:0 (replacing any)
+    and the manager opens "sim:0"; without, the manager is given the device object itself."""
+    dev = device if device is not None else gpumem_sim.SimDevice(capacity, back_memory=back_memory,
+                                                                 seed=seed)
+    if install:
+        gpumem_sim.install(dev)
+    cfg = MemoryConfig(**{**(EXACT if base is None else base), **config})
+    return dev, MemoryManager("sim:0" if install else dev, cfg)
 
 
 def live_ranges(manager: Any) -> list[tuple[int, int, int]]:

@@ -30,6 +30,7 @@ from gpumem.backends import opencl as opencl_mod
 from gpumem.backends.base import DeviceProperties
 from gpumem.errors import (BackendUnavailableError, DriverError, DriverOutOfMemory,
                            InvalidDeviceError, InvalidInputError)
+from invariants import selected_backends
 
 REAL = ("cpu", "opencl", "cuda")
 MODULES = {"cpu": host_mod, "opencl": opencl_mod, "cuda": cuda_mod}
@@ -37,11 +38,8 @@ MiB = 1 << 20
 
 
 def _selected() -> list[str]:
-    env = os.environ.get("GPUMEM_TEST_BACKENDS", "").strip()
-    if not env:
-        return list(REAL)
-    names = [n.strip().lower() for n in env.split(",") if n.strip()]
-    return [n for n in REAL if n in names]
+    """The real backends among GPUMEM_TEST_BACKENDS (unset: all three)."""
+    return [n for n in selected_backends() if n in REAL]
 
 
 # --------------------------------------------------------------------------------------------

@@ -13,13 +13,12 @@ import numpy as np
 import pytest
 
 import gpumem_sim
-from backend_choice import chosen_backends
 from gpumem import Buffer, FallbackBuffer, MemoryConfig, MemoryManager
-from gpumem.backends import get_backend
 from gpumem.batch import BufferBatch, allocate_batch, warmup
 from gpumem.errors import (ClosedManagerError, DoubleFreeError, ForeignBufferError,
                            InvalidInputError, OutOfMemoryError)
 from gpumem_sim import SimDevice
+from invariants import backend_device, selected_backends, sim_manager
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -28,31 +27,18 @@ MiB = 1 << 20
 pytestmark = pytest.mark.usefixtures("clean_registry")   # see conftest.py
 
 
-@pytest.fixture(params=chosen_backends())
+@pytest.fixture(params=selected_backends(default=("sim",)))
 def manager(request):
     """A fresh manager on each selected backend (sim: 4 GiB with host-backed bytes)."""
-    name = request.param
-    if name == "sim":
-        gpumem_sim.install(SimDevice("4GiB", back_memory=True))
-        dev = "sim:0"
-    else:
-        ok, reason = get_backend(name).availability()
-        if not ok:
-            pytest.skip(f"backend {name!r} unavailable: {reason}")
-        dev = "cpu" if name == "cpu" else f"{name}:0"
+    dev = backend_device(request.param, "4GiB", back_memory=True)
     mm = MemoryManager(dev, MemoryConfig(min_free_bytes=0, cpu_fallback_enabled=False))
     yield mm
     mm.close()
 
 
-def sim(capacity: int = 1000 * MiB, *, device: SimDevice | None = None,
-        **config) -> tuple[SimDevice, MemoryManager]:
-    dev = device if device is not None else SimDevice(capacity, back_memory=True)
-    gpumem_sim.install(dev)
-    base = dict(min_free_bytes=0, gpu_memory_fraction=1.0, reserve_bytes=0,
-                cpu_fallback_enabled=False)
-    base.update(config)
-    return dev, MemoryManager("sim:0", MemoryConfig(**base))
+def sim(capacity: int = 1000 * MiB, **kw) -> tuple[SimDevice, MemoryManager]:
+    """``sim_manager`` (EXACT config) on a host-backed SimDevice, 1000 MiB unless told."""
+    return sim_manager(capacity, back_memory=True, **kw)
 
 
 def state(mm: MemoryManager) -> dict:

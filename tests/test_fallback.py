@@ -14,12 +14,11 @@ import numpy as np
 import pytest
 
 import gpumem_sim
-from backend_choice import chosen_backends
 from gpumem import Buffer, FallbackBuffer, MemoryConfig, MemoryManager
-from gpumem.backends import get_backend
 from gpumem.errors import (DoubleFreeError, ForeignBufferError, InvalidInputError,
                            OutOfMemoryError)
 from gpumem_sim import SimDevice
+from invariants import EXACT, backend_device, selected_backends, sim_manager
 
 MiB = 1 << 20
 
@@ -27,25 +26,17 @@ MiB = 1 << 20
 pytestmark = pytest.mark.usefixtures("clean_registry")   # see conftest.py
 
 
-@pytest.fixture(params=chosen_backends())
+@pytest.fixture(params=selected_backends(default=("sim",)))
 def device(request) -> str:
-    name = request.param
-    if name == "sim":
-        gpumem_sim.install(SimDevice("4GiB", back_memory=True))
-        return "sim:0"
-    ok, reason = get_backend(name).availability()
-    if not ok:
-        pytest.skip(f"backend {name!r} unavailable: {reason}")
-    return "cpu" if name == "cpu" else f"{name}:0"
+    """A device string on each selected backend (sim: a fresh 4 GiB host-backed device)."""
+    return backend_device(request.param, "4GiB", back_memory=True)
 
 
-def sim(capacity: int = 256 * MiB, **config) -> tuple[SimDevice, MemoryManager]:
-    dev = SimDevice(capacity, back_memory=True, seed=config.pop("seed", 0))
-    gpumem_sim.install(dev)
-    base = dict(min_free_bytes=0, gpu_memory_fraction=1.0, reserve_bytes=0,
-                cpu_fallback_enabled=True)
-    base.update(config)
-    return dev, MemoryManager("sim:0", MemoryConfig(**base))
+def sim(capacity: int = 256 * MiB, **kw) -> tuple[SimDevice, MemoryManager]:
+    """``sim_manager`` on a host-backed SimDevice, 256 MiB unless told: EXACT, with CPU
+    fallback on."""
+    return sim_manager(capacity, back_memory=True, base=dict(EXACT, cpu_fallback_enabled=True),
+                       **kw)
 
 
 def pattern(n: int, seed: int) -> np.ndarray:

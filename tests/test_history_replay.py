@@ -15,6 +15,7 @@ from gpumem.history import HistoryRecorder
 from gpumem.manager import MemoryManager
 from gpumem.replay import ReplayResult, open_replay_device, replay, replay_config
 from gpumem.trace import OP_ALLOC, read_trace
+from invariants import sim_manager
 
 MiB = 1 << 20
 REPO = Path(__file__).resolve().parents[1]
@@ -24,9 +25,8 @@ shared = pytest.mark.skipif(not SHARED.is_dir(), reason="../shared/traces is abs
 
 
 def _mm(capacity="2GiB", **cfg) -> MemoryManager:
-    cfg.setdefault("min_free_bytes", 0)
-    cfg.setdefault("track_allocations", False)
-    return MemoryManager(gpumem_sim.SimDevice(capacity), MemoryConfig(**cfg))
+    base = dict(min_free_bytes=0, track_allocations=False)
+    return sim_manager(capacity, install=False, base=base, **cfg)[1]
 
 
 # --- history -----------------------------------------------------------------------------------------

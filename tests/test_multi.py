@@ -6,18 +6,17 @@ Three simulated devices of different sizes (1 GiB, 2 GiB, 512 MiB) with exact us
 """
 from __future__ import annotations
 
-import os
 import threading
 
 import pytest
 
 import gpumem_sim
 from gpumem import Buffer, FallbackBuffer, MemoryConfig, MemoryManager
-from gpumem.backends import get_backend
 from gpumem.errors import (ClosedManagerError, ForeignBufferError, InvalidDeviceError,
                            InvalidInputError, OutOfMemoryError)
 from gpumem.multi import POLICIES, MultiDeviceManager
 from gpumem_sim import SimDevice
+from invariants import device_string, require_backend, selected_backends
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -318,15 +317,12 @@ def test_stats_and_totals(sims):
 
 
 def test_with_a_real_backend_when_selected(sims):
-    env = os.environ.get("GPUMEM_TEST_BACKENDS", "")
-    real = [n for n in ("cuda", "opencl", "cpu") if n in env.lower().split(",")]
+    real = [n for n in ("cuda", "opencl", "cpu") if n in selected_backends(default=())]
     if not real:
         pytest.skip("no real backend selected by GPUMEM_TEST_BACKENDS")
     name = real[0]
-    ok, reason = get_backend(name).availability()
-    if not ok:
-        pytest.skip(f"backend {name!r} unavailable: {reason}")
-    dev = "cpu" if name == "cpu" else f"{name}:0"
+    require_backend(name)
+    dev = device_string(name)
     with MultiDeviceManager([dev, "sim:0"], MemoryConfig(min_free_bytes=0),
                             policy="round_robin") as multi:
         a = multi.allocate_on_best_device(MiB, name="w")

@@ -15,11 +15,11 @@ import dataclasses
 
 import pytest
 
-import gpumem_sim
-from gpumem import FallbackBuffer, MemoryConfig, MemoryManager
+from gpumem import FallbackBuffer, MemoryManager
 from gpumem.errors import DriverError, OutOfMemoryError
 from gpumem.units import format_bytes
 from gpumem_sim import SimDevice
+from invariants import QUIET, sim_manager
 
 MiB = 1 << 20
 
@@ -27,15 +27,9 @@ MiB = 1 << 20
 pytestmark = pytest.mark.usefixtures("clean_registry")   # see conftest.py
 
 
-def make(capacity: int = 1000 * MiB, *, device: SimDevice | None = None,
-         **config) -> tuple[SimDevice, MemoryManager]:
-    dev = device if device is not None else SimDevice(capacity)
-    gpumem_sim.install(dev)
-    base = dict(min_free_bytes=0, gpu_memory_fraction=1.0, reserve_bytes=0,
-                cpu_fallback_enabled=False, release_before_grow=False,
-                auto_release_at_high=False, auto_cleanup_at_critical=False)
-    base.update(config)
-    return dev, MemoryManager("sim:0", MemoryConfig(**base))
+def make(capacity: int = 1000 * MiB, **kw) -> tuple[SimDevice, MemoryManager]:
+    """``sim_manager`` with the QUIET config (exact usable memory, no automatic responses)."""
+    return sim_manager(capacity, base=QUIET, **kw)
 
 
 def ops(dev: SimDevice, start: int) -> list[tuple[str, int, str]]:

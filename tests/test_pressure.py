@@ -12,13 +12,11 @@ import warnings
 
 import pytest
 
-import gpumem_sim
-from backend_choice import chosen_backends
 from gpumem import MemoryConfig, MemoryManager, MemoryPressure
-from gpumem.backends import get_backend
 from gpumem.errors import InvalidInputError
 from gpumem.pressure import pressure_level
 from gpumem_sim import SimDevice
+import invariants
 
 MiB = 1 << 20
 LOW, MEDIUM, HIGH, CRITICAL = (MemoryPressure.LOW, MemoryPressure.MEDIUM, MemoryPressure.HIGH,
@@ -28,29 +26,16 @@ LOW, MEDIUM, HIGH, CRITICAL = (MemoryPressure.LOW, MemoryPressure.MEDIUM, Memory
 pytestmark = pytest.mark.usefixtures("clean_registry")   # see conftest.py
 
 
-@pytest.fixture(params=chosen_backends())
+@pytest.fixture(params=invariants.selected_backends(default=("sim",)))
 def device(request) -> str:
     """A device string on each selected backend (sim: a fresh 4 GiB simulated device)."""
-    name = request.param
-    if name == "sim":
-        gpumem_sim.install(SimDevice("4GiB"))
-        return "sim:0"
-    ok, reason = get_backend(name).availability()
-    if not ok:
-        pytest.skip(f"backend {name!r} unavailable: {reason}")
-    return "cpu" if name == "cpu" else f"{name}:0"
+    return invariants.backend_device(request.param, "4GiB")
 
 
 def sim_manager(capacity: int = 1000 * MiB, **config) -> tuple[SimDevice, MemoryManager]:
     """A manager whose usable memory is exactly ``capacity`` (no reserve, no min free) and whose
-    automatic responses are off unless asked for."""
-    dev = SimDevice(capacity)
-    gpumem_sim.install(dev)
-    base = dict(min_free_bytes=0, gpu_memory_fraction=1.0, reserve_bytes=0,
-                release_before_grow=False, auto_release_at_high=False,
-                auto_cleanup_at_critical=False, cpu_fallback_enabled=False)
-    base.update(config)
-    return dev, MemoryManager("sim:0", MemoryConfig(**base))
+    automatic responses are off unless asked for (``invariants.QUIET``)."""
+    return invariants.sim_manager(capacity, base=invariants.QUIET, **config)
 
 
 class Recorder:

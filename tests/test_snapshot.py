@@ -5,19 +5,19 @@ import json
 
 import pytest
 
-import gpumem_sim
-from gpumem.config import MemoryConfig
 from gpumem.errors import ClosedManagerError, InvalidInputError
 from gpumem.manager import MemoryManager
 from gpumem.snapshot import (format_snapshot, load_snapshot, save_snapshot, summarize,
                              take_snapshot)
 
+from invariants import sim_manager
+
 MiB = 1 << 20
 
 
 def _mm(track=True) -> MemoryManager:
-    return MemoryManager(gpumem_sim.SimDevice("2GiB"),
-                         MemoryConfig(track_allocations=track, min_free_bytes=0))
+    return sim_manager("2GiB", install=False, base=dict(min_free_bytes=0),
+                       track_allocations=track)[1]
 
 
 def _workload(mm):

@@ -12,21 +12,20 @@ from pathlib import Path
 
 import pytest
 
-import gpumem_sim
 from gpumem import tracking
-from gpumem.config import MemoryConfig
 from gpumem.errors import InvalidInputError
 from gpumem.manager import MemoryManager
 from gpumem.tracking import AllocationTracker, BufferMetadata
+from invariants import sim_manager
 
 MiB = 1 << 20
 REPO = Path(__file__).resolve().parents[1]
 
 
 def _manager(capacity: str = "1GiB", **cfg) -> MemoryManager:
-    cfg.setdefault("track_allocations", True)
-    cfg.setdefault("min_free_bytes", 0)
-    return MemoryManager(gpumem_sim.SimDevice(capacity), MemoryConfig(**cfg))
+    """A tracking manager (min_free_bytes 0, other settings default) on an uninstalled device."""
+    base = dict(track_allocations=True, min_free_bytes=0)
+    return sim_manager(capacity, install=False, base=base, **cfg)[1]
 
 
 def test_tracking_off_registers_nothing():
