@@ -15,7 +15,22 @@ import abc
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["DeviceProperties", "DeviceDescription", "Device", "Backend"]
+from gpumem.errors import InvalidInputError
+
+__all__ = ["DeviceProperties", "DeviceDescription", "Device", "Backend", "check_block_range"]
+
+
+def check_block_range(device: str, handle: int, size: int | None, offset: int,
+                      nbytes: int) -> None:
+    """Raise InvalidInputError unless segment ``handle`` exists (``size`` is its byte count, None
+    when unknown) and ``[offset, offset + nbytes)`` lies inside it. Every backend's copies,
+    memset and resolve go through this one check."""
+    if size is None:
+        raise InvalidInputError(f"{device}: unknown segment handle {handle!r}")
+    if offset < 0 or nbytes < 0 or offset + nbytes > size:
+        raise InvalidInputError(
+            f"{device}: range [{offset}, {offset + nbytes}) is outside the segment of "
+            f"{size} bytes")
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ import threading
 import weakref
 from typing import Any, Iterator
 
-from gpumem.backends.base import Backend, Device, DeviceProperties
+from gpumem.backends.base import Backend, Device, DeviceProperties, check_block_range
 from gpumem.backends.host import buffer_address, byte_view
 from gpumem.errors import (BackendUnavailableError, DriverError, DriverOutOfMemory,
                            InvalidDeviceError, InvalidInputError)
@@ -373,12 +373,7 @@ class CudaDevice(Device):
     def _span(self, handle: int, offset: int, nbytes: int) -> int:
         with self._lock:
             size = self._segments.get(handle)
-        if size is None:
-            raise InvalidInputError(f"{self.device_string}: unknown segment handle {handle!r}")
-        if offset < 0 or nbytes < 0 or offset + nbytes > size:
-            raise InvalidInputError(
-                f"{self.device_string}: range [{offset}, {offset + nbytes}) is outside the "
-                f"segment of {size} bytes")
+        check_block_range(self.device_string, handle, size, offset, nbytes)
         return handle + offset
 
     def resolve(self, handle: int, offset: int, nbytes: int) -> int:

@@ -22,7 +22,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from gpumem.backends.base import Backend, Device, DeviceProperties
+from gpumem.backends.base import Backend, Device, DeviceProperties, check_block_range
 from gpumem.errors import (DriverError, DriverOutOfMemory, InvalidDeviceError,
                            InvalidInputError)
 from gpumem.units import format_bytes
@@ -313,12 +313,7 @@ class HostDevice(Device):
     def _segment(self, handle: int, offset: int, nbytes: int) -> _Segment:
         with self._lock:
             seg = self._segments.get(handle)
-        if seg is None:
-            raise InvalidInputError(f"cpu: unknown segment handle {handle!r}")
-        if offset < 0 or nbytes < 0 or offset + nbytes > seg.nbytes:
-            raise InvalidInputError(
-                f"cpu: range [{offset}, {offset + nbytes}) is outside the segment of "
-                f"{seg.nbytes} bytes")
+        check_block_range("cpu", handle, None if seg is None else seg.nbytes, offset, nbytes)
         return seg
 
     def resolve(self, handle: int, offset: int, nbytes: int) -> int:

@@ -21,7 +21,7 @@ import itertools
 import threading
 from typing import Any
 
-from gpumem.backends.base import Backend, Device, DeviceProperties
+from gpumem.backends.base import Backend, Device, DeviceProperties, check_block_range
 from gpumem.backends.host import byte_view
 from gpumem.errors import (BackendUnavailableError, DriverError, DriverOutOfMemory,
                            InvalidDeviceError, InvalidInputError)
@@ -289,12 +289,8 @@ class OpenCLDevice(Device):
     def _segment(self, handle: int, offset: int, nbytes: int) -> _Segment:
         with self._lock:
             seg = self._segments.get(handle)
-        if seg is None:
-            raise InvalidInputError(f"{self.device_string}: unknown segment handle {handle!r}")
-        if offset < 0 or nbytes < 0 or offset + nbytes > seg.nbytes:
-            raise InvalidInputError(
-                f"{self.device_string}: range [{offset}, {offset + nbytes}) is outside the "
-                f"segment of {seg.nbytes} bytes")
+        check_block_range(self.device_string, handle, None if seg is None else seg.nbytes,
+                          offset, nbytes)
         return seg
 
     def segment_size(self, handle: int) -> int:
