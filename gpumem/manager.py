@@ -181,6 +181,9 @@ class MemoryManager(ManagerCore):
                 buf = self._from_idle_streams(nbytes, stream, tag)
             if buf is None:
                 buf = self._grow(nbytes, stream, tag)
+            if buf is None and self.collect_pending_frees(wait=True):
+                # blocks freed after use on other streams: wait for those streams, then retry
+                buf = self._alloc_cached(nbytes, stream, tag) or self._grow(nbytes, stream, tag)
             if buf is None and self._release_cached(reason="retry after a failed growth"):
                 buf = self._grow(nbytes, stream, tag)
             if buf is None and self._oom_callbacks:
@@ -202,6 +205,8 @@ class MemoryManager(ManagerCore):
                                     f"{exc}") from None
         self.pool.register_stream(stream)
         self._streams.add(stream)
+
+    _check_stream = _ensure_stream            # Buffer.record_stream validates through it
 
     def _from_idle_streams(self, nbytes: int, stream: int, tag: Any) -> Buffer | None:
         """Blocks cached by streams whose work has finished are merged into `stream`'s heaps
@@ -400,6 +405,7 @@ class MemoryManager(ManagerCore):
     def empty_cache(self) -> int:
         """Return every wholly free cached segment to the driver; the bytes returned."""
         self._check_open()
+        self.collect_pending_frees()
         return self._release_cached(reason="empty_cache")
 
     def shrink(self, target_cached_bytes: int = 0) -> int:
@@ -438,13 +444,14 @@ class MemoryManager(ManagerCore):
             pool_misses=c["misses"],
             cpu_fallbacks=self._cpu_fallbacks,
             fallback_bytes=self._fallback_bytes,
-            active_buffers=c["active_blocks"] + self._fallback_live,
+            active_buffers=c["active_blocks"] - self.pending_free_count + self._fallback_live,
             num_allocs=c["num_allocs"],
             num_frees=c["num_frees"],
             num_segments=c["num_segments"],
             segments_created=c["segments_created"],
             segments_released=c["segments_released"],
             num_ooms=self._num_ooms,
+            pending_free_bytes=self.pending_free_bytes,
         )
 
     # --- pressure ----------------------------------------------------------------------------------
@@ -573,6 +580,11 @@ class MemoryManager(ManagerCore):
                 return
             if self.tracker is not None:
                 self.tracker.report_leaks(at="close()")
+            try:
+                self.collect_pending_frees(wait=True)   # releases their events
+            except DriverError as exc:
+                warnings.warn(f"gpumem: pending frees not collected while closing: {exc}",
+                              RuntimeWarning)
             self._mark_closed()
             try:
                 self.device.synchronize()

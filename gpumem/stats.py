@@ -37,6 +37,9 @@ class MemoryStats:
     segments_created: int
     segments_released: int
     num_ooms: int
+    # freed blocks waiting for other streams (Buffer.record_stream): counted in in_use_bytes,
+    # not in active_buffers
+    pending_free_bytes: int = 0
 
     def hit_rate(self) -> float:
         """Share of device allocations served from the cache (0.0 when none yet)."""

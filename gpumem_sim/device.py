@@ -667,6 +667,18 @@ class SimDevice(Device):
                 return True
             return self._completed[s] >= ticket
 
+    def destroy_event(self, event: int) -> None:
+        """Forget an event from :meth:`record_event` (done or not)."""
+        with self._lock:
+            if isinstance(event, bool) or self._events.pop(event, None) is None:
+                raise InvalidInputError(f"unknown event {event!r} on {self.device_string}")
+
+    @property
+    def live_events(self) -> int:
+        """Events recorded and not yet destroyed (tests check that none leak)."""
+        with self._lock:
+            return len(self._events)
+
     def close(self) -> None:
         """Nothing to release: segments stay allocated until freed (idempotent)."""
 

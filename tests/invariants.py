@@ -194,6 +194,10 @@ def check(manager: Any, live: Iterable[Any] | None = None) -> None:
     assert st.largest_free_block == largest, (st.largest_free_block, largest)
     assert st.num_segments == len(segs), (st.num_segments, len(segs))
     assert st.num_allocs - st.num_frees == nlive, (st.num_allocs, st.num_frees, nlive)
+    # freed blocks waiting for other streams stay allocated in the pool until collected
+    pending = getattr(manager, "pending_free_count", 0)
+    nlive -= pending
+    assert 0 <= getattr(manager, "pending_free_bytes", 0) <= st.in_use_bytes
     assert st.peak_bytes >= st.in_use_bytes
     assert st.peak_reserved_bytes >= st.total_allocated_bytes
     assert st.segments_created - st.segments_released == st.num_segments, st

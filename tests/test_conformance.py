@@ -209,3 +209,54 @@ def test_close_returns_every_segment(backend_manager):
         for h in handles:
             with pytest.raises(Exception):
                 mm.device.segment_size(h)
+
+
+def test_events_follow_the_stream(backend_manager):
+    """record_event/event_done/destroy_event: an event completes once the device has caught
+    up, and a handle is good until destroyed."""
+    from gpumem import InvalidInputError
+    dev = backend_manager.device
+    s = dev.create_stream()
+    try:
+        b = backend_manager.malloc(MiB, stream=s)
+        b.memset(7)                                   # some work on the stream
+        ev = dev.record_event(s)
+        dev.synchronize()
+        assert dev.event_done(ev) is True
+        dev.destroy_event(ev)
+        with pytest.raises(InvalidInputError):
+            dev.event_done(ev)
+        with pytest.raises(InvalidInputError):
+            dev.destroy_event(ev)
+        b.free()
+    finally:
+        backend_manager.empty_cache()
+        dev.destroy_stream(s)
+
+
+def test_block_used_on_another_stream_is_reused_after_it(backend_manager):
+    """Buffer.record_stream: the freed block waits for the other stream, then is reused, and
+    its bytes are whole again."""
+    mm = backend_manager
+    dev = mm.device
+    s = dev.create_stream()
+    try:
+        b = mm.malloc(3 * MiB)
+        b.record_stream(s)
+        assert b.used_on_streams == (s,)
+        b.copy_from_host(pattern(b.nbytes, 5))
+        size = b.nbytes
+        b.free()
+        assert mm.stats().pending_free_bytes >= size
+        dev.synchronize()
+        again = mm.malloc(3 * MiB)                    # collects the pending free first
+        assert mm.stats().pending_free_bytes == 0
+        d = pattern(again.nbytes, 6)
+        again.copy_from_host(d)
+        assert np.array_equal(again.copy_to_host(), d)
+        check(mm, [again])
+        again.free()
+        check(mm, [])
+    finally:
+        mm.empty_cache()
+        dev.destroy_stream(s)

@@ -330,6 +330,95 @@ def test_stream_with_pending_work_never_lends_while_busy(manager):
     check(manager, held[1::2] + got + [g])
 
 
+# --- record_stream: a block used on other streams waits for them -----------------------------------
+def test_record_stream_defers_reuse_until_the_other_stream_passes(manager):
+    dev = manager.device
+    s = dev.create_stream()
+    a = manager.malloc(MiB)                             # allocated on stream 0
+    keep = manager.malloc(MiB)                          # the 2 MiB segment is full
+    loc = a.segment_location()
+    a.record_stream(s)
+    dev.submit(s)                                       # a kernel on s still reads a
+    a.free()
+    assert not a.alive
+    st = manager.stats()
+    assert st.pending_free_bytes == MiB and st.active_buffers == 1
+    check(manager, [keep])
+    b = manager.malloc(MiB)                             # stream 0 must not get a's bytes yet
+    assert b.segment_location() != loc
+    assert manager.pending_free_bytes == MiB
+    dev.complete(s)
+    c = manager.malloc(MiB)                             # collects the pending free, reuses it
+    assert c.segment_location() == loc
+    assert manager.stats().pending_free_bytes == 0
+    assert dev.live_events == 0, "the event recorded at free() was not destroyed"
+    check(manager, [keep, b, c])
+
+
+def test_record_stream_on_the_allocation_stream_frees_at_once(manager):
+    a = manager.malloc(4096)
+    a.record_stream(0)
+    assert a.used_on_streams == ()
+    a.free()
+    assert manager.pending_free_bytes == 0
+    check(manager, [])
+
+
+def test_dropped_buffer_with_recorded_stream_also_waits(manager):
+    dev = manager.device
+    s = dev.create_stream()
+    a = manager.malloc(MiB)
+    a.record_stream(s)
+    dev.submit(s)
+    del a                                               # RAII path
+    assert manager.pending_free_bytes == MiB
+    dev.complete(s)
+    assert manager.collect_pending_frees() == 1
+    assert manager.pending_free_bytes == 0 and dev.live_events == 0
+    check(manager, [])
+
+
+def test_oom_waits_for_pending_frees_before_failing(sim_device, make_manager):
+    sim_device("64MiB", back_memory=True)
+    mm = make_manager(cpu_fallback_enabled=False)
+    dev = mm.device
+    s = dev.create_stream()
+    big = mm.malloc(mm.usable_memory // 2 + MiB)        # two of these cannot coexist
+    big.record_stream(s)
+    dev.submit(s)
+    big.free()
+    again = mm.malloc(mm.usable_memory // 2 + MiB)      # the ladder synchronizes, then reuses
+    assert mm.pending_free_bytes == 0
+    assert dev.pending(s) == 0
+    check(mm, [again])
+
+
+def test_record_stream_bad_input_leaves_the_buffer_as_it_was(manager):
+    from gpumem import InvalidInputError
+    a = manager.malloc(4096)
+    with pytest.raises(InvalidInputError, match="not a stream of sim:0"):
+        a.record_stream(12345)
+    with pytest.raises(TypeError, match="stream must be"):
+        a.record_stream("s1")
+    assert a.used_on_streams == ()
+    a.free()
+    with pytest.raises(InvalidInputError, match="has been freed"):
+        a.record_stream(0)
+    assert manager.pending_free_bytes == 0
+    check(manager, [])
+
+
+def test_close_with_pending_frees_releases_their_events(manager):
+    dev = manager.device
+    s = dev.create_stream()
+    a = manager.malloc(MiB)
+    a.record_stream(s)
+    dev.submit(s)
+    a.free()
+    manager.close()
+    assert dev.live_events == 0 and dev.live_segments == 0
+
+
 def test_idle_segment_split_between_streams_does_not_double_reserved(manager):
     """S's 20 MiB segment lends a block to T; once both blocks are freed (and no work is
     pending) the segment is entirely free, in three pieces filed under two streams. A 20 MiB

@@ -54,6 +54,7 @@ cdef class Buffer:
     cdef uint64_t _stream
     cdef gm_block* _block
     cdef ManagerCore _owner
+    cdef list _used_on                   # other streams that use the bytes (record_stream)
     cdef object __weakref__
 
     def __init__(self, *args, **kwargs):
@@ -85,6 +86,29 @@ cdef class Buffer:
         """Return the block to its pool. Freeing twice raises DoubleFreeError."""
         self._owner._release(self)
 
+    def record_stream(self, stream) -> None:
+        """Declare that work on `stream` (besides the allocation stream) uses these bytes.
+
+        When the buffer is freed an event is recorded on each such stream, and the block is
+        reused only once all of them have passed it (as torch's ``Tensor.record_stream``).
+        Until then its bytes count as ``pending_free_bytes``."""
+        cdef uint64_t s
+        if not self.alive:
+            raise InvalidInputError(f"buffer {self.id} has been freed")
+        s = self._owner._stream_handle(stream)
+        self._owner._check_stream(s)
+        if s == self._stream:
+            return
+        if self._used_on is None:
+            self._used_on = [s]
+        elif s not in self._used_on:
+            self._used_on.append(s)
+
+    @property
+    def used_on_streams(self) -> tuple:
+        """Streams given to record_stream(), besides the allocation stream."""
+        return () if self._used_on is None else tuple(self._used_on)
+
     def __enter__(self):
         return self
 
@@ -101,7 +125,8 @@ cdef class Buffer:
             return
         try:
             owner._release_dropped(self._block, self.id,
-                                   _DroppedBuffer.of(self) if owner._hooks else None)
+                                   _DroppedBuffer.of(self) if owner._hooks else None,
+                                   self._used_on)
         except Exception as exc:  # never raise from a destructor (e.g. at interpreter exit)
             warnings.warn(f"gpumem: could not return buffer {self.id} to its pool: {exc}",
                           ResourceWarning)
@@ -202,6 +227,14 @@ cdef class _DroppedBuffer:
         return d
 
 
+@cython.final
+cdef class _PendingFree:
+    """A freed block waiting for events on the other streams that used it."""
+    cdef gm_block* block
+    cdef uint64_t serial
+    cdef list events
+
+
 cdef class ManagerCore:
     """malloc/free over a CachingPool; subclassed by gpumem.MemoryManager."""
 
@@ -213,6 +246,8 @@ cdef class ManagerCore:
     cdef public bint _hooks              # tracking or history on: call _on_alloc/_on_free
     cdef size_t _max_request             # above this a request fails at once, no driver call
     cdef size_t _cache_limit             # cached bytes above this call _trim_cache()
+    cdef list _pending                   # _PendingFree: freed, waiting for other streams
+    cdef readonly size_t pending_free_bytes
 
     def _core_init(self, CachingPool pool, device, str device_string) -> None:
         self.pool = pool
@@ -221,6 +256,7 @@ cdef class ManagerCore:
         self.device_string = device_string
         self._max_request = <size_t>-1
         self._cache_limit = <size_t>-1
+        self._pending = []
 
     def _set_limits(self, max_request, cache_limit) -> None:
         """max_request: largest servable request; cache_limit: cached bytes kept (None: any)."""
@@ -251,6 +287,8 @@ cdef class ManagerCore:
         cdef gm_block* b
         if self._closed:
             raise ClosedManagerError(f"the manager for {self.device_string} is closed")
+        if self.pending_free_bytes:
+            self.collect_pending_frees()
         if <size_t>n > self._max_request:
             return self._malloc_slow(n, s, tag)
         if gm_alloc(self._p, <size_t>n, s, &b) != GM_OK:
@@ -287,6 +325,13 @@ cdef class ManagerCore:
                                      f"{self.device_string} is closed")
         if buf._block == NULL:
             raise DoubleFreeError(f"buffer {buf.id} ({buf.nbytes} B) was already freed")
+        if buf._used_on is not None:
+            self._defer_free(buf._block, buf.id, buf._used_on)
+            buf._block = NULL
+            buf._used_on = None
+            if self._hooks:
+                self._on_free(buf)
+            return 0
         rc = gm_free(self._p, buf._block, buf.id)
         if rc != GM_OK:
             raise DoubleFreeError(f"buffer {buf.id} is not live in this pool")
@@ -298,9 +343,12 @@ cdef class ManagerCore:
             self._trim_cache()
         return 0
 
-    cdef int _release_dropped(self, gm_block* b, uint64_t serial, object info) except -1:
+    cdef int _release_dropped(self, gm_block* b, uint64_t serial, object info,
+                              list used_on) except -1:
         """Buffer.__dealloc__'s free: the block by pointer and serial, observers told `info`."""
-        if gm_free(self._p, b, serial) != GM_OK:
+        if used_on is not None:
+            self._defer_free(b, serial, used_on)
+        elif gm_free(self._p, b, serial) != GM_OK:
             return 0                  # already returned (e.g. the pool was reset)
         if info is not None:
             self._on_free(info)
@@ -308,6 +356,74 @@ cdef class ManagerCore:
                 > self._cache_limit):
             self._trim_cache()
         return 0
+
+    # --- frees that wait for other streams (Buffer.record_stream) ------------------------------
+    cdef int _defer_free(self, gm_block* b, uint64_t serial, list streams) except -1:
+        """Record an event on each stream that used the block; the block goes back to the pool
+        once every event is done (collect_pending_frees). If an event cannot be recorded the
+        device is synchronized instead, which is always safe, and the block is freed now."""
+        cdef _PendingFree p = _PendingFree.__new__(_PendingFree)
+        p.block = b
+        p.serial = serial
+        p.events = []
+        try:
+            for s in streams:
+                p.events.append(self.device.record_event(s))
+        except Exception as exc:
+            self._destroy_events(p.events)
+            warnings.warn(f"gpumem: could not record an event for buffer {serial} on "
+                          f"{self.device_string} ({exc}); synchronizing instead", RuntimeWarning)
+            self.device.synchronize()
+            gm_free(self._p, b, serial)
+            return 0
+        self._pending.append(p)
+        self.pending_free_bytes += b.size
+        return 0
+
+    cdef _destroy_events(self, list events):
+        for e in events:
+            try:
+                self.device.destroy_event(e)
+            except Exception:
+                pass                  # an event the driver already dropped: nothing to free
+
+    cdef bint _events_done(self, list events) except -1:
+        for e in events:
+            if not self.device.event_done(e):
+                return False
+        return True
+
+    @property
+    def pending_free_count(self) -> int:
+        """Freed buffers whose blocks wait for other streams (see Buffer.record_stream)."""
+        return len(self._pending)
+
+    def collect_pending_frees(self, bint wait=False) -> int:
+        """Return to the pool every deferred free whose streams have passed it (all of them,
+        after synchronizing the device, when `wait`); the number of blocks returned."""
+        cdef _PendingFree p
+        cdef list pending = self._pending
+        cdef list keep = []
+        cdef Py_ssize_t i = 0, n = len(pending), done = 0
+        if n == 0:
+            return 0
+        self._pending = keep          # frees deferred meanwhile (another thread) land here
+        try:
+            if wait:
+                self.device.synchronize()
+            while i < n:
+                p = pending[i]
+                if wait or self._events_done(p.events):
+                    self._destroy_events(p.events)
+                    self.pending_free_bytes -= p.block.size
+                    gm_free(self._p, p.block, p.serial)
+                    done += 1
+                else:
+                    keep.append(p)
+                i += 1
+        finally:
+            keep.extend(pending[i:])  # a driver error while querying leaves the rest pending
+        return done
 
     def _stream_handle(self, stream) -> int:
         """The integer handle of a stream argument; registers new streams after validation."""
@@ -340,6 +456,9 @@ cdef class ManagerCore:
         return self._wrap(b, nbytes, stream, tag)
 
     # defaults, overridden by MemoryManager
+    def _check_stream(self, stream) -> None:
+        pass
+
     def _malloc_slow(self, nbytes, stream, tag):
         raise TypeError("ManagerCore is abstract: use gpumem.MemoryManager")
 

@@ -130,6 +130,22 @@ class Device(abc.ABC):
     def synchronize(self) -> None:
         """Wait for all work on the device (before segments are returned to the driver)."""
 
+    # --- events (a block used on several streams is reused only once they pass its free) -----
+    # The defaults are correct for any device but coarse: recording synchronizes everything.
+    # Every bundled backend overrides them with the driver's own events.
+    def record_event(self, stream: int = 0) -> int:
+        """A marker after the work submitted to ``stream`` so far; returns its handle."""
+        self.stream_idle(stream)          # validates the stream
+        self.synchronize()
+        return 0
+
+    def event_done(self, event: int) -> bool:
+        """True once the work before the event has finished; never blocks."""
+        return True
+
+    def destroy_event(self, event: int) -> None:
+        """Release an event from :meth:`record_event` (it may still be pending)."""
+
     def close(self) -> None:
         """Release driver resources held by this object (contexts, queues). Idempotent."""
 

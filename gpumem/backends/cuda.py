@@ -268,6 +268,7 @@ class CudaDevice(Device):
         self._ctx_int = int(self._ctx)
         self._segments: dict[int, int] = {}      # device pointer -> nbytes
         self._streams: dict[int, Any] = {}       # CUstream value -> CUstream
+        self._events: dict[int, Any] = {}        # CUevent value -> CUevent
         self._closed = False
         self._props: DeviceProperties | None = None
         self._finalizer = weakref.finalize(self, _release_primary, driver, self._dev)
@@ -463,6 +464,46 @@ class CudaDevice(Device):
     def synchronize(self) -> None:
         self._call("cuCtxSynchronize", self._drv.cuCtxSynchronize)
 
+    # --- events ----------------------------------------------------------------------------------
+    def record_event(self, stream: int = 0) -> int:
+        """A ``CUevent`` (timing disabled: cheaper to record and query) recorded on ``stream``;
+        the handle is the event's value."""
+        drv = self._drv
+        s = self._stream_obj(stream)
+        with self._current():
+            ev = check(drv, drv.cuEventCreate(drv.CUevent_flags.CU_EVENT_DISABLE_TIMING),
+                       "cuEventCreate")
+            try:
+                check(drv, drv.cuEventRecord(ev, s), "cuEventRecord")
+            except DriverError:
+                drv.cuEventDestroy(ev)
+                raise
+        eid = int(ev)
+        with self._lock:
+            self._events[eid] = ev
+        return eid
+
+    def event_done(self, event: int) -> bool:
+        drv = self._drv
+        with self._lock:
+            ev = self._events.get(event)
+        if ev is None:
+            raise InvalidInputError(f"{self.device_string}: unknown event {event!r}")
+        with self._current():
+            res = drv.cuEventQuery(ev)
+            code = res[0] if isinstance(res, tuple) else res
+            if int(code) == int(drv.CUresult.CUDA_ERROR_NOT_READY):
+                return False
+            check(drv, res, "cuEventQuery")
+            return True
+
+    def destroy_event(self, event: int) -> None:
+        with self._lock:
+            ev = self._events.pop(event, None)
+        if ev is None:
+            raise InvalidInputError(f"{self.device_string}: unknown event {event!r}")
+        self._call("cuEventDestroy", self._drv.cuEventDestroy, ev)
+
     def native_stream(self, stream: int) -> int:
         """The ``CUstream`` value for ``stream`` (the same int: streams are driver handles)."""
         return int(self._stream_obj(stream))
@@ -473,6 +514,7 @@ class CudaDevice(Device):
                 return
             segments = list(self._segments)
             streams = list(self._streams.values())
+            events = list(self._events.values())
         # Free what is left, then drop the primary-context reference; failures are ignored
         # because close() runs on teardown paths.
         try:
@@ -482,11 +524,14 @@ class CudaDevice(Device):
                     self._drv.cuMemFree(ptr)
                 for s in streams:
                     self._drv.cuStreamDestroy(s)
+                for ev in events:
+                    self._drv.cuEventDestroy(ev)
         except Exception:
             pass
         with self._lock:
             self._segments.clear()
             self._streams.clear()
+            self._events.clear()
             self._closed = True
         self._finalizer()
 

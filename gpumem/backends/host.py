@@ -233,6 +233,8 @@ class HostDevice(Device):
         self._segments: dict[int, _Segment] = {}
         self._streams: set[int] = set()
         self._next_stream = 1
+        self._events: set[int] = set()
+        self._next_event = 1
         self._pinned_fallbacks = 0
         self._held = 0
 
@@ -367,6 +369,28 @@ class HostDevice(Device):
 
     def synchronize(self) -> None:
         return None
+
+    # Host work is done when its call returns, so an event is complete when recorded; the
+    # handles are still tracked so misuse (an unknown or destroyed event) is reported.
+    def record_event(self, stream: int = 0) -> int:
+        self.stream_idle(stream)
+        with self._lock:
+            event = self._next_event
+            self._next_event += 1
+            self._events.add(event)
+        return event
+
+    def event_done(self, event: int) -> bool:
+        with self._lock:
+            if event not in self._events:
+                raise InvalidInputError(f"cpu: unknown event {event!r}")
+        return True
+
+    def destroy_event(self, event: int) -> None:
+        with self._lock:
+            if event not in self._events:
+                raise InvalidInputError(f"cpu: unknown event {event!r}")
+            self._events.discard(event)
 
     def close(self) -> None:
         with self._lock:

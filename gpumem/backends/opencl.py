@@ -166,6 +166,8 @@ class OpenCLDevice(Device):
         self._segments: dict[int, _Segment] = {}
         self._handles = itertools.count(1)
         self._stream_ids = itertools.count(1)
+        self._events: dict[int, Any] = {}            # event handle -> pyopencl marker Event
+        self._event_ids = itertools.count(1)
         # Required sub-buffer origin alignment (the spec gives MEM_BASE_ADDR_ALIGN in bits).
         self.sub_buffer_alignment = max(1, int(device.mem_base_addr_align) // 8)
         self.alignment = max(self.sub_buffer_alignment, _MIN_ALIGNMENT)
@@ -403,6 +405,36 @@ class OpenCLDevice(Device):
         except cl.Error as exc:
             raise map_cl_error(cl, exc, "querying a command queue") from None
 
+    # Events are markers: on an in-order queue a marker completes after every earlier command.
+    def record_event(self, stream: int = 0) -> int:
+        cl = self._cl
+        q = self.queue(stream)
+        try:
+            marker = cl.enqueue_marker(q)
+            q.flush()
+        except cl.Error as exc:
+            raise map_cl_error(cl, exc, "enqueueing a marker") from None
+        with self._lock:
+            event = next(self._event_ids)
+            self._events[event] = marker
+        return event
+
+    def event_done(self, event: int) -> bool:
+        cl = self._cl
+        with self._lock:
+            marker = self._events.get(event)
+        if marker is None:
+            raise InvalidInputError(f"{self.device_string}: unknown event {event!r}")
+        try:
+            return marker.command_execution_status == cl.command_execution_status.COMPLETE
+        except cl.Error as exc:
+            raise map_cl_error(cl, exc, "querying an event") from None
+
+    def destroy_event(self, event: int) -> None:
+        with self._lock:
+            if self._events.pop(event, None) is None:
+                raise InvalidInputError(f"{self.device_string}: unknown event {event!r}")
+
     def synchronize(self) -> None:
         with self._lock:
             if self._ctx is None:
@@ -422,6 +454,7 @@ class OpenCLDevice(Device):
             queues = list(self._queues.values())
             self._segments.clear()
             self._queues.clear()
+            self._events.clear()
             self._closed = True
             ctx, self._ctx = self._ctx, None
         for q in queues:
