@@ -1,21 +1,68 @@
-"""Build gpumem: the Cython core (C++ for std::atomic) plus the pure-Python packages."""
+"""Build gpumem: the Cython core (C++ for std::atomic) plus the pure-Python packages.
+
+The CUDA fast path (gpumem/backends/_cuda_native.pyx, cuda.bindings.cydriver calls without the
+GIL) is built only where cuda.h and cuda-python's .pxd files are both found at build time;
+GPUMEM_BUILD_CUDA=0 skips it, =1 makes its absence an error. Without it the CUDA backend uses
+the Python-level cuda.bindings.driver, with the same behaviour.
+"""
+import importlib.util
 import os
+from pathlib import Path
 
 from Cython.Build import cythonize
 from setuptools import Extension, find_packages, setup
 
 extra = ["-O3", "-std=c++17"] if os.name != "nt" else ["/O2", "/std:c++17"]
 
-extensions = [
-    Extension(f"gpumem._core.{name}", [f"gpumem/_core/{name}.pyx"], language="c++",
-              extra_compile_args=extra)
-    for name in ("pool", "buffer")
-]
+
+def cuda_include_dir() -> str | None:
+    """The CUDA toolkit's include directory holding cuda.h (CUDA_HOME, CUDA_PATH, or the
+    usual install place), or None."""
+    for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if root and (Path(root) / "include" / "cuda.h").is_file():
+            return str(Path(root) / "include")
+    return None
+
+
+def cuda_native_extension() -> list[Extension]:
+    wanted = os.environ.get("GPUMEM_BUILD_CUDA", "auto").lower()
+    if wanted in ("0", "no", "false", "off"):
+        return []
+    include = cuda_include_dir()
+    spec = importlib.util.find_spec("cuda.bindings") if importlib.util.find_spec("cuda") else None
+    has_pxd = spec is not None and any(
+        (Path(p) / "cydriver.pxd").is_file() for p in spec.submodule_search_locations or ())
+    if include is None or not has_pxd:
+        if wanted in ("1", "yes", "true", "on"):
+            raise SystemExit("GPUMEM_BUILD_CUDA=1 but "
+                             + ("cuda.h was not found (set CUDA_HOME)" if include is None
+                                else "cuda-python (cuda.bindings) is not installed"))
+        return []
+    ext = Extension("gpumem.backends._cuda_native", ["gpumem/backends/_cuda_native.pyx"],
+                    language="c++", include_dirs=[include], extra_compile_args=extra)
+    try:
+        built = cythonize([ext], compiler_directives=DIRECTIVES)
+    except Exception as exc:
+        if wanted != "auto":
+            raise
+        print(f"warning: gpumem's CUDA fast path is not built ({exc}); the CUDA backend will "
+              f"use cuda.bindings.driver")
+        return []
+    for e in built:
+        # A C compile error (typically a cuda-python whose .pxd needs newer CUDA headers than
+        # the ones found) skips the module with a warning. cythonize drops this flag: set here.
+        e.optional = wanted == "auto"
+    return built
+
+
+DIRECTIVES = {"language_level": "3"}
+core = [Extension(f"gpumem._core.{name}", [f"gpumem/_core/{name}.pyx"], language="c++",
+                  extra_compile_args=extra)
+        for name in ("pool", "buffer")]
 
 setup(
     packages=find_packages(include=["gpumem", "gpumem.*", "gpumem_sim", "gpumem_sim.*"]),
     package_data={"gpumem._core": ["*.pxd", "*.pyi"], "gpumem": ["data/*.csv.gz", "py.typed"]},
-    ext_modules=cythonize(extensions, compiler_directives={"language_level": "3"},
-                          annotate=False),
+    ext_modules=cythonize(core, compiler_directives=DIRECTIVES) + cuda_native_extension(),
     zip_safe=False,
 )

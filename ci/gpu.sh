@@ -38,20 +38,10 @@ else
 fi
 GPU_MODEL="${GPU_MODEL:-unknown (nvidia-smi unavailable)}"
 
-# --- 2. venv and install ----------------------------------------------------------------------
+# --- 2. venv, install, Cython build (incl. the CUDA fast path where cuda.h is found) ---------
 log "venv $VENV"
-if [[ ! -x "$VENV/bin/python" ]]; then
-    "$PYTHON" -m venv "$VENV"
-fi
-# shellcheck disable=SC1091
-source "$VENV/bin/activate"
-python -m pip install --quiet --upgrade pip
-# Editable, so the Cython extensions are built in place and the tests import this tree.
-python -m pip install --quiet -e ".[cuda,test]"
-if ! python -c "import gpumem._core.pool" 2>/dev/null; then
-    echo "the Cython core did not build in place; building it now"
-    python setup.py build_ext --inplace
-fi
+GPUMEM_VENV="$VENV" source ci/setup_env.sh "cuda,test"
+python -c "import cuda.bindings, sys; print('cuda-bindings', cuda.bindings.__version__)" || true
 
 # --- 3. CUDA backend available? ---------------------------------------------------------------
 log "CUDA backend"
@@ -68,8 +58,10 @@ for i in range(BACKEND.device_count()):
     p = dev.properties()
     free, total = dev.mem_get_info()
     print(f"cuda:{i}  {p.name}  cc {p.extra.get('compute_capability')}  "
+          f"driver {p.extra.get('driver_version')}  "
           f"free {free / 2**30:.2f} GiB of {total / 2**30:.2f} GiB")
     dev.close()
+print("calls through gpumem's Cython module (cydriver, no GIL):", BACKEND.native)
 EOF
 cuda_rc=$?
 set -e

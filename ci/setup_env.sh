@@ -12,8 +12,20 @@ fi
 # shellcheck disable=SC1091
 . "$VENV/bin/activate"
 python -m pip install -q --upgrade pip setuptools wheel "Cython>=3.0" numpy 2>&1 | grep -v "^WARNING: Location" || true
+# gpumem's CUDA fast path compiles cuda-python's .pxd files against the CUDA headers found
+# here, so both must come from one CUDA release: pin cuda-bindings to the headers' version.
+CONSTRAINTS=()
+CUDA_H="${CUDA_HOME:-${CUDA_PATH:-/usr/local/cuda}}/include/cuda.h"
+if [[ ",$EXTRAS," == *",cuda,"* && -f "$CUDA_H" ]]; then
+    v=$(sed -n 's/^#define CUDA_VERSION \([0-9]*\).*/\1/p' "$CUDA_H")
+    if [ -n "$v" ]; then
+        echo "cuda-bindings==$((v / 1000)).$(((v % 1000) / 10)).*" > "$VENV/cuda-constraint.txt"
+        CONSTRAINTS=(-c "$VENV/cuda-constraint.txt")
+    fi
+fi
 if [ -n "$EXTRAS" ]; then
-    python -m pip install -q ".[$EXTRAS]" 2>&1 | grep -v "^WARNING: Location" || true
+    python -m pip install -q "${CONSTRAINTS[@]}" ".[$EXTRAS]" 2>&1 \
+        | grep -v "^WARNING: Location" || true
 else
     python -m pip install -q . 2>&1 | grep -v "^WARNING: Location" || true
 fi

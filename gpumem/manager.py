@@ -580,26 +580,28 @@ class MemoryManager(ManagerCore):
                 return
             if self.tracker is not None:
                 self.tracker.report_leaks(at="close()")
-            try:
-                self.collect_pending_frees(wait=True)   # releases their events
-            except DriverError as exc:
-                warnings.warn(f"gpumem: pending frees not collected while closing: {exc}",
-                              RuntimeWarning)
             self._mark_closed()
-            try:
-                self.device.synchronize()
-            except DriverError as exc:
-                warnings.warn(f"gpumem: synchronize failed while closing: {exc}", RuntimeWarning)
-            for handle in self.pool.live_segment_handles():
-                try:
-                    self.device.free_segment(handle)
-                except DriverError as exc:
-                    warnings.warn(f"gpumem: could not free segment {handle:#x} on close: {exc}",
-                                  RuntimeWarning)
+            # A device closed first (its context released at interpreter exit) took its
+            # memory with it: nothing is left to return.
+            if not getattr(self.device, "closed", False):
+                self._return_everything()
             if self._host is not None:
                 self._host.close()
             if self._executor is not None:
                 self._executor.shutdown(wait=False)
+
+    def _return_everything(self) -> None:
+        try:
+            self.collect_pending_frees(wait=True)       # releases their events
+            self.device.synchronize()
+        except DriverError as exc:
+            warnings.warn(f"gpumem: synchronize failed while closing: {exc}", RuntimeWarning)
+        for handle in self.pool.live_segment_handles():
+            try:
+                self.device.free_segment(handle)
+            except DriverError as exc:
+                warnings.warn(f"gpumem: could not free segment {handle:#x} on close: {exc}",
+                              RuntimeWarning)
 
     def __del__(self) -> None:
         try:

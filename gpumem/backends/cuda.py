@@ -1,4 +1,6 @@
-"""CUDA backend through ``cuda.bindings.driver`` (the cuda-python driver API, Python level).
+"""CUDA backend through cuda-python: ``cuda.bindings.driver``, with the calls made per segment,
+copy, event and context switch done from Cython through ``cuda.bindings.cydriver`` (GIL
+released) when ``gpumem.backends._cuda_native`` was built (see setup.py).
 
 Importing this module never touches the driver: ``cuda.bindings`` is imported, and ``cuInit``
 called, only inside :meth:`CudaBackend.availability` / :meth:`CudaBackend.open`. A missing
@@ -78,6 +80,18 @@ def load_driver() -> Any:
     except ImportError:
         from cuda import cuda as driver  # type: ignore[no-redef]  # cuda-python < 12.6
     return driver
+
+
+def _with_native_calls(drv: Any) -> Any:
+    """``drv`` with its busy calls done by gpumem's Cython module when that was built (cuda.h
+    and cuda-python present at build time) and GPUMEM_CUDA_NATIVE is not 0; else ``drv``."""
+    if os.environ.get("GPUMEM_CUDA_NATIVE", "1") == "0":
+        return drv
+    try:
+        from gpumem.backends._cuda_native import NativeDriver
+    except ImportError:
+        return drv
+    return NativeDriver(drv)
 
 
 def _error_name(drv: Any, code: Any) -> str:
@@ -177,9 +191,15 @@ class CudaBackend(Backend):
             return False, f"the CUDA driver failed to initialise: {type(exc).__name__}: {exc}"
         if int(count) <= 0:
             return False, "the CUDA driver is loaded but reports no device"
-        self._driver = drv
+        self._driver = drv if self._driver is not None else _with_native_calls(drv)
         self._count = int(count)
         return True, ""
+
+    @property
+    def native(self) -> bool:
+        """True when segment, copy, event and context calls go through gpumem's Cython module
+        (cuda.bindings.cydriver, GIL released) rather than cuda.bindings.driver."""
+        return type(self._require()).__name__ == "NativeDriver"
 
     def _require(self) -> Any:
         ok, reason = self.availability()
@@ -223,8 +243,11 @@ def _device_name(drv: Any, dev: Any) -> str:
     return str(raw).strip()
 
 
-def _release_primary(drv: Any, dev: Any) -> None:
-    # Runs from close() or a weakref finalizer: never raises (the driver may be gone at exit).
+def _release_primary(drv: Any, dev: Any, released: list[bool]) -> None:
+    # Runs from close() or a weakref finalizer, which at interpreter exit may come before the
+    # managers' own close(): the flag makes the device refuse work from then on instead of
+    # pushing a context that no longer exists. Never raises (the driver may be gone at exit).
+    released[0] = True
     try:
         drv.cuDevicePrimaryCtxRelease(dev)
     except Exception:
@@ -270,14 +293,16 @@ class CudaDevice(Device):
         self._streams: dict[int, Any] = {}       # CUstream value -> CUstream
         self._events: dict[int, Any] = {}        # CUevent value -> CUevent
         self._closed = False
+        self._released = [False]                 # set when the primary context is released
         self._props: DeviceProperties | None = None
-        self._finalizer = weakref.finalize(self, _release_primary, driver, self._dev)
+        self._finalizer = weakref.finalize(self, _release_primary, driver, self._dev,
+                                           self._released)
 
     # --- context handling --------------------------------------------------------------------
     @contextlib.contextmanager
     def _current(self) -> Iterator[None]:
         """Make the primary context current on this thread for the duration of a call."""
-        if self._closed:
+        if self.closed:
             raise InvalidInputError(f"{self.device_string} has been closed")
         drv = self._drv
         cur = check(drv, drv.cuCtxGetCurrent(), "cuCtxGetCurrent")
@@ -335,6 +360,7 @@ class CudaDevice(Device):
         except Exception:
             pass
         extra["usable_memory_reserve"] = usable_memory_reserve(total)
+        extra["native_calls"] = type(drv).__name__ == "NativeDriver"
         self._props = DeviceProperties(name=name, total_memory=total, alignment=CUDA_ALIGNMENT,
                                        extra=extra)
         return self._props
@@ -535,8 +561,13 @@ class CudaDevice(Device):
             self._closed = True
         self._finalizer()
 
+    @property
+    def closed(self) -> bool:
+        """True after close(), or once the primary context was released at interpreter exit."""
+        return self._closed or self._released[0]
+
     def __repr__(self) -> str:
-        return f"<CudaDevice {self.device_string}{' closed' if self._closed else ''}>"
+        return f"<CudaDevice {self.device_string}{' closed' if self.closed else ''}>"
 
 
 # --------------------------------------------------------------------------------------------

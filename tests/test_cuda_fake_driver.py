@@ -1,0 +1,135 @@
+"""The cuda backend through the real cuda-python against tests/fake_cuda, a C test double of
+libcuda.so.1 (no GPU here): the fake itself (smoke.py, in child processes), then, in a run with
+the fake loaded (ci/test.sh's second run: LD_LIBRARY_PATH + GPUMEM_TEST_BACKENDS=cuda), what
+only the fake lets a test see: driver-side leaks and busy streams."""
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import fake_cuda
+from gpumem import MemoryConfig, MemoryManager
+from gpumem.backends import cuda as cuda_mod
+from invariants import check, selected_backends
+
+MiB = 1 << 20
+HERE = Path(__file__).resolve().parent
+
+
+def _build_prerequisites() -> str:
+    """Why the fake cannot be built and run here, or "" when it can."""
+    if importlib.util.find_spec("cuda") is None or importlib.util.find_spec("cuda.bindings") is None:
+        return "cuda-python is not installed"
+    if shutil.which("gcc") is None:
+        return "gcc is not on PATH"
+    if not (fake_cuda.cuda_include_dir() / "cuda.h").is_file():
+        return f"no cuda.h under {fake_cuda.cuda_include_dir()}"
+    return ""
+
+
+def test_fake_driver_under_cuda_python_and_gpumem():
+    """smoke.py: every driver call gpumem makes, through cuda.bindings, on the fake (with and
+    without cuGetProcAddress_v2, no device, two devices), then gpumem's CudaBackend on it."""
+    reason = _build_prerequisites()
+    if reason:
+        pytest.skip(reason)
+    out = subprocess.run([sys.executable, str(HERE / "fake_cuda" / "smoke.py")],
+                         capture_output=True, text=True, timeout=300)
+    failures = [line for line in out.stdout.splitlines() if line.startswith("FAIL")]
+    assert out.returncode == 0 and not failures, out.stdout[-4000:] + out.stderr[-2000:]
+    assert "ALL CHECKS PASSED" in out.stdout
+
+
+# --- with the fake loaded in this process ----------------------------------------------------
+@pytest.fixture
+def fake():
+    """The fake's helpers when this process's cuda backend runs on it; else skip."""
+    if "cuda" not in selected_backends(()):
+        pytest.skip("GPUMEM_TEST_BACKENDS does not name cuda")
+    ok, reason = cuda_mod.BACKEND.availability()
+    if not ok:
+        pytest.skip(f"backend 'cuda' unavailable: {reason}")
+    lib = ctypes.CDLL("libcuda.so.1")
+    if not hasattr(lib, "fake_cuda_live_allocations"):
+        pytest.skip("a real NVIDIA driver is loaded, not the fake")
+    return fake_cuda.helpers()
+
+
+def _live(fake) -> tuple[int, int, int]:
+    return (fake.fake_cuda_live_allocations(), fake.fake_cuda_live_events(),
+            fake.fake_cuda_live_streams())
+
+
+def test_calls_go_through_the_cython_module_when_built(fake):
+    built = importlib.util.find_spec("gpumem.backends._cuda_native") is not None
+    wanted = os.environ.get("GPUMEM_CUDA_NATIVE", "1") != "0"
+    assert cuda_mod.BACKEND.native is (built and wanted)
+    mm = MemoryManager("cuda:0", MemoryConfig(cpu_fallback_enabled=False))
+    try:
+        assert mm.device.properties().extra["native_calls"] is cuda_mod.BACKEND.native
+    finally:
+        mm.close()
+
+
+def test_manager_gives_the_driver_everything_back(fake):
+    before = _live(fake)
+    mm = MemoryManager("cuda:0", MemoryConfig(cpu_fallback_enabled=False))
+    s = mm.device.create_stream()
+    bufs = [mm.malloc(n) for n in (100, 3 * MiB, 25 * MiB)]
+    bufs[1].record_stream(s)
+    bufs[1].free()                           # deferred: an event is recorded on s
+    assert fake.fake_cuda_live_events() == before[1] + 1
+    check(mm, [bufs[0], bufs[2]])
+    mm.device.destroy_stream(s)
+    mm.close()
+    assert _live(fake) == before
+
+
+def test_busy_stream_holds_a_recorded_block_back(fake):
+    mm = MemoryManager("cuda:0", MemoryConfig(cpu_fallback_enabled=False))
+    try:
+        s = mm.device.create_stream()
+        a = mm.malloc(MiB)
+        keep = mm.malloc(MiB)                # the 2 MiB small segment is now full
+        loc = a.segment_location()
+        a.record_stream(s)
+        fake.fake_cuda_set_stream_busy(ctypes.c_void_p(s), 1000)
+        a.free()
+        b = mm.malloc(MiB)                   # s has not passed a's free: not reused
+        assert b.segment_location() != loc and mm.pending_free_bytes == MiB
+        mm.device.synchronize()              # clears the fake's busy count
+        c = mm.malloc(MiB)
+        assert c.segment_location() == loc and mm.pending_free_bytes == 0
+        check(mm, [keep, b, c])
+        for buf in (keep, b, c):
+            buf.free()
+        mm.device.destroy_stream(s)
+    finally:
+        mm.close()
+
+
+def test_manager_left_open_at_exit_is_quiet(tmp_path):
+    """At interpreter exit the device's finalizer releases the primary context before the
+    manager's __del__ runs; close() must then see the device closed and say nothing."""
+    reason = _build_prerequisites()
+    if reason:
+        pytest.skip(reason)
+    lib_dir = fake_cuda.build(tmp_path).parent
+    code = ("import warnings; warnings.simplefilter('always')\n"
+            "import gpumem\n"
+            "mm = gpumem.MemoryManager('cuda:0')\n"
+            "bufs = [mm.malloc(n) for n in (100, 5 << 20)]\n"
+            "print('allocated', mm.stats().total_allocated_bytes > 0)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, cwd=HERE.parent,
+                         env=fake_cuda.env(lib_dir, PYTHONPATH=str(HERE.parent)))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "allocated True"
+    assert "Warning" not in out.stderr and "Error" not in out.stderr, out.stderr
