@@ -91,6 +91,9 @@ else
     bench_status="missing compare.py"
 fi
 
+log "CUDA call cost: gpumem's Cython module vs cuda.bindings.driver"
+python asv_benchmarks/cuda_calls.py || echo "cuda_calls.py failed (exit $?)"
+
 # --- 6. summary -------------------------------------------------------------------------------
 log "summary"
 python - "$JUNIT" "$GPU_MODEL" "$BACKENDS" "$bench_status" "$test_rc" <<'EOF'
