@@ -33,6 +33,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))    # this checkout's gpumem, not an older installed copy
 
 from benchmarks import (KiB, MiB, GiB, MixedWorkload, device_budget,  # noqa: E402
                         fitting_live_count, log_uniform_mean, read_trace, replay,

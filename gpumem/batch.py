@@ -256,7 +256,8 @@ def _carve_group(manager: "MemoryManager", nbytes: list[int], group: list[int], 
     preferred = max(total, pool.segment_size(nbytes[group[0]]))
     if max_split is not None and preferred >= max_split and total < max_split:
         preferred = total
-    seg = manager._new_segment((preferred, total))     # the full segment, else the exact sum
+    seg = manager._new_segment((preferred, total),     # the full segment, else the exact sum
+                               small=pool.round_size(nbytes[group[0]]) <= pool.small_size)
     if seg is None:
         return list(group)
     handle, base, seg_size = seg

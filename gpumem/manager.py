@@ -220,7 +220,9 @@ class MemoryManager(ManagerCore):
     def _grow(self, nbytes: int, stream: int, tag: Any) -> Buffer | None:
         """A new segment from the driver, within usable_memory and min_free_bytes."""
         self._check_fragmentation(nbytes)
-        seg = self._new_segment((self.pool.segment_size(nbytes), self.pool.round_size(nbytes)))
+        rounded = self.pool.round_size(nbytes)
+        seg = self._new_segment((self.pool.segment_size(nbytes), rounded),
+                                small=rounded <= self.pool.small_size)
         if seg is None:
             return None
         handle, base, seg_size = seg
@@ -232,18 +234,28 @@ class MemoryManager(ManagerCore):
         self._update_pressure()
         return buf
 
-    def _new_segment(self, sizes: Sequence[int]) -> tuple[int, int, int] | None:
+    def _new_segment(self, sizes: Sequence[int],
+                     small: bool | None = None) -> tuple[int, int, int] | None:
         """``(handle, base, size)`` of a raw segment of the first of `sizes` (largest first:
         the preferred size, then fall-backs) that the limits allow and the driver grants; None
-        if none. Idle cached segments are given back first as the config asks."""
-        self._release_excess_per_bucket()
+        if none. Idle cached segments are given back first as the config asks. `small` says
+        which pool the segment is for (None: unknown)."""
         preferred = sizes[0]
-        if (self.config.release_before_grow and self.pool.whole_free_bytes >= preferred
-                and self.pool.reserved_bytes + preferred > self.pool.peak_reserved_bytes):
+        past_mark = self.pool.reserved_bytes + preferred > self.pool.peak_reserved_bytes
+        if not small:
+            # max_pooled_per_bucket caps idle *large* segments: enforced when the large pool
+            # grows, not on every small-pool growth (one small segment would otherwise release
+            # every surplus large one, which the next pass of the workload allocates again)
+            self._release_excess_per_bucket()
+        if (self.config.release_before_grow and past_mark
+                and self.pool.whole_free_bytes >= preferred):
             # growth would set a new high-water mark while idle segments could offset it:
             # give back as much as we are about to take (largest first). Below the mark the
-            # cache is kept, so a warm steady state does not churn the driver.
-            self._release_cached(preferred, reason="release before grow")
+            # cache is kept, so a warm steady state does not churn the driver. A large-pool
+            # growth never takes the small pool's idle segments: they cannot hold its request,
+            # and the small pool would only have to grow them back on its next busy phase.
+            self._release_cached(preferred, reason="release before grow",
+                                 small=False if small is False else None)
         reserved = self.pool.reserved_bytes
         free, _ = self.device.mem_get_info()
         for size in dict.fromkeys(sizes):
@@ -305,11 +317,16 @@ class MemoryManager(ManagerCore):
                       self.device_string)
         return released
 
-    def _release_cached(self, max_bytes: int | None = None, *, reason: str = "") -> int:
+    def _release_cached(self, max_bytes: int | None = None, *, reason: str = "",
+                        small: bool | None = None) -> int:
+        """Release wholly free segments, largest first (only those of one pool if `small` is
+        given); the bytes released."""
         with self._slow:
             if self.pool.reserved_bytes == self.pool.in_use_bytes:
                 return 0
             kwargs = {} if max_bytes is None else {"max_bytes": max_bytes}
+            if small is not None:
+                kwargs["small"] = int(small)
             detached = self.pool.release_free_segments(**kwargs)
             if not detached:
                 return 0

@@ -185,6 +185,30 @@ def test_release_before_grow_returns_idle_segments(make_manager):
     check(mm, [b])
 
 
+def test_small_pool_growth_keeps_surplus_large_segments(make_manager):
+    """max_pooled_per_bucket is enforced when the large pool grows; a small-pool growth does
+    not release the surplus (a warm training step would allocate it again: driver churn)."""
+    mm = make_manager(max_pooled_per_bucket=2, release_before_grow=False)
+    for b in [mm.malloc(12 * MiB) for _ in range(5)]:
+        b.free()
+    small = mm.malloc(4096)                              # a new small segment
+    assert [s["size"] for s in mm.pool.segments()].count(12 * MiB) == 5
+    other = mm.malloc(50 * MiB)                          # the large pool grows: trimmed
+    assert [s["size"] for s in mm.pool.segments()].count(12 * MiB) == 2
+    check(mm, [small, other])
+
+
+def test_release_before_grow_of_the_large_pool_keeps_idle_small_segments(make_manager):
+    mm = make_manager()                                  # release_before_grow=True (default)
+    idle = [mm.malloc(MiB) for _ in range(8)] + [mm.malloc(12 * MiB)]
+    for x in idle:
+        x.free()
+    assert sorted(s["size"] for s in mm.pool.segments()) == [2 * MiB] * 4 + [12 * MiB]
+    b = mm.malloc(20 * MiB)       # past the mark; 20 MiB idle in all, 12 MiB of it large
+    assert sorted(s["size"] for s in mm.pool.segments()) == [2 * MiB] * 4 + [20 * MiB]
+    check(mm, [b])
+
+
 # --- statistics ---------------------------------------------------------------------------------------
 def test_stats_hits_misses_and_hit_rate(manager):
     st = manager.stats()

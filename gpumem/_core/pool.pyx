@@ -621,8 +621,9 @@ cdef class CachingPool:
         _unlock(p)
         return 0
 
-    def release_free_segments(self, size_t max_bytes=SIZE_MAX) -> list:
-        """Detach wholly free segments, largest first, until max_bytes have been released.
+    def release_free_segments(self, size_t max_bytes=SIZE_MAX, int small=-1) -> list:
+        """Detach wholly free segments, largest first, until max_bytes have been released;
+        only those of the small pool (small=1) or of the large pool (small=0) if asked.
 
         Returns ``[(handle, base, size, is_small, stream), ...]``; the caller returns each to the
         backend, or hands it back with :meth:`restore_segment` if the backend refuses.
@@ -637,7 +638,8 @@ cdef class CachingPool:
             best = NULL
             s = p.segments
             while s != NULL:
-                if s.live_blocks == 0 and (best == NULL or s.size > best.size):
+                if (s.live_blocks == 0 and (small < 0 or (s.is_small != 0) == (small != 0))
+                        and (best == NULL or s.size > best.size)):
                     best = s
                 s = s.next
             if best == NULL:
