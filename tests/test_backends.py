@@ -30,7 +30,7 @@ from gpumem.backends import opencl as opencl_mod
 from gpumem.backends.base import DeviceProperties
 from gpumem.errors import (BackendUnavailableError, DriverError, DriverOutOfMemory,
                            InvalidDeviceError, InvalidInputError)
-from invariants import selected_backends
+from invariants import check, selected_backends
 
 REAL = ("cpu", "opencl", "cuda")
 MODULES = {"cpu": host_mod, "opencl": opencl_mod, "cuda": cuda_mod}
@@ -53,6 +53,7 @@ class FakeCUresult(enum.IntEnum):
     CUDA_ERROR_NO_DEVICE = 100
     CUDA_ERROR_INVALID_DEVICE = 101
     CUDA_ERROR_INVALID_CONTEXT = 201
+    CUDA_ERROR_CONTEXT_IS_DESTROYED = 709
     CUDA_ERROR_INVALID_HANDLE = 400
     CUDA_ERROR_NOT_READY = 600
     CUDA_ERROR_LAUNCH_FAILED = 719
@@ -219,6 +220,9 @@ class FakeDriver:
     def cuMemFree(self, ptr):
         if self._needs_ctx() is None:
             return (FakeCUresult.CUDA_ERROR_INVALID_CONTEXT,)
+        if self.fail_next is not None:
+            code, self.fail_next = self.fail_next, None
+            return (code,)
         with self.lock:
             entry = self.allocs.pop(int(ptr), None)
             if entry is None:
@@ -810,6 +814,26 @@ def test_cuda_fake_stream_not_ready():
         dev.destroy_stream(int(other))
     dev.destroy_stream(s)
     dev.close()
+
+
+def test_cuda_refused_free_keeps_the_segment(make_manager):
+    """A cuMemFree the driver refuses (a destroyed context, a sticky error) raises a DriverError
+    naming the code; the device still knows the segment, the manager keeps it cached, and a
+    later release succeeds."""
+    drv = FakeDriver(capacity=256 * MiB)
+    dev = cuda_mod.CudaBackend(driver=drv).open(0)
+    mm = make_manager(dev, reserve_bytes=0)
+    mm.malloc(3 * MiB).free()
+    [seg] = mm.pool.segments()
+    drv.fail_next = FakeCUresult.CUDA_ERROR_CONTEXT_IS_DESTROYED
+    with pytest.warns(RuntimeWarning, match="refused to free a segment"):
+        assert mm.empty_cache() == 0
+    assert dev.segment_size(seg["handle"]) == seg["size"]
+    assert [s["handle"] for s in mm.pool.segments()] == [seg["handle"]]
+    check(mm, [])
+    assert mm.empty_cache() == seg["size"]
+    assert drv.allocs == {}
+    check(mm, [])
 
 
 def test_cuda_fake_closed_device_refuses_work():

@@ -394,8 +394,15 @@ class CudaDevice(Device):
                 raise InvalidInputError(
                     f"{self.device_string}: unknown segment handle {handle!r} "
                     f"(not allocated by this device, or already freed)")
-            del self._segments[handle]
-        self._call("cuMemFree", self._drv.cuMemFree, handle)
+            nbytes = self._segments.pop(handle)
+        try:
+            self._call("cuMemFree", self._drv.cuMemFree, handle)
+        except BaseException:
+            # the driver kept it (a dead context, a sticky error): the handle stays valid, so
+            # the manager can put the segment back in its pool and free it later
+            with self._lock:
+                self._segments[handle] = nbytes
+            raise
 
     def _span(self, handle: int, offset: int, nbytes: int) -> int:
         with self._lock:

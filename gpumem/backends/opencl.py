@@ -280,13 +280,15 @@ class OpenCLDevice(Device):
             raise InvalidInputError(
                 f"{self.device_string}: unknown segment handle {handle!r} "
                 f"(not allocated by this device, or already freed)")
-        with _held_lock:
-            _held[self.index] = _held.get(self.index, 0) - seg.nbytes
         try:
             # OpenCL keeps the memory until enqueued commands using it finish, so this is safe.
             seg.buffer.release()
         except self._cl.Error as exc:
+            with self._lock:                  # not released: the handle stays valid
+                self._segments[handle] = seg
             raise map_cl_error(self._cl, exc, "releasing a buffer") from None
+        with _held_lock:
+            _held[self.index] = _held.get(self.index, 0) - seg.nbytes
 
     def _segment(self, handle: int, offset: int, nbytes: int) -> _Segment:
         with self._lock:
