@@ -62,6 +62,13 @@ class FallbackBuffer:
     def memset(self, value: int) -> None:
         self._host.memset(value)
 
+    def record_stream(self, stream: Any) -> None:
+        """Accepted for code written against Buffer: the stream is validated, nothing waits.
+        Host memory is read and written synchronously, so its free is never early."""
+        if not self._host.alive:
+            raise InvalidInputError(f"fallback buffer {self.id} has been freed")
+        self._manager._check_stream(self._manager._stream_handle(stream))
+
     def free(self) -> None:
         if not self._host.alive:
             raise DoubleFreeError(f"fallback buffer {self.id} was already freed")

@@ -83,6 +83,23 @@ def test_fallback_when_device_full_then_make_room_and_migrate():
     assert mm.stats().fallback_bytes == 0 and mm.stats().active_buffers == 2
 
 
+def test_fallback_buffer_takes_record_stream_like_a_buffer():
+    dev, mm = sim(256 * MiB)
+    held = [mm.malloc(100 * MiB), mm.malloc(100 * MiB)]
+    fb = mm.malloc(100 * MiB)
+    assert isinstance(fb, FallbackBuffer)
+    s = dev.create_stream()
+    fb.record_stream(s)                                 # host memory: nothing to wait for
+    with pytest.raises(InvalidInputError, match="not a stream of"):
+        fb.record_stream(9999)
+    fb.free()
+    assert mm.pending_free_bytes == 0 and mm.stats().fallback_bytes == 0
+    with pytest.raises(InvalidInputError, match="has been freed"):
+        fb.record_stream(s)
+    for b in held:
+        b.free()
+
+
 def test_migrate_never_falls_back_again():
     dev, mm = sim()
     dev.inject(fail_after=0)
