@@ -13,9 +13,10 @@ Layout (``version`` 1)::
      "config": {...every MemoryConfig field...},
      "segments": [{"handle", "base", "size", "pool": "small"|"large", "stream",
                    "blocks": [{"offset", "size", "requested", "state": "allocated"|"free",
-                               "stream", "id", "tag"}]}]}
+                               "stream", "id", "tag", "pending_free"}]}]}
 
-Blocks tile their segment in address order. ``tag`` comes from the allocation tracker when
+Blocks tile their segment in address order. ``pending_free`` marks an allocated block whose
+buffer was freed but which waits for other streams (``Buffer.record_stream``). ``tag`` comes from the allocation tracker when
 tracking is on (``str(tag)`` unless it is a str, number or bool), else None; ``id`` is None for free
 blocks.
 """
@@ -70,6 +71,7 @@ def take_snapshot(manager: Any) -> dict:
         for meta in tracker.live():
             if meta.location == "device" or manager.device_string == "cpu":
                 tags[meta.id] = meta.tag
+    pending = manager.pending_free_ids() if hasattr(manager, "pending_free_ids") else ()
     segments = []
     for seg in manager.pool.segments():
         blocks = []
@@ -81,6 +83,7 @@ def take_snapshot(manager: Any) -> dict:
                 "requested": b["requested"] if allocated else 0,
                 "state": b["state"], "stream": b["stream"], "id": bid,
                 "tag": _json_tag(tags.get(bid)) if allocated else None,
+                "pending_free": allocated and bid in pending,
             })
         segments.append({"handle": seg["handle"], "base": seg["base"], "size": seg["size"],
                          "pool": seg["pool"], "stream": seg["stream"], "blocks": blocks})

@@ -343,6 +343,9 @@ def test_record_stream_defers_reuse_until_the_other_stream_passes(manager):
     assert not a.alive
     st = manager.stats()
     assert st.pending_free_bytes == MiB and st.active_buffers == 1
+    assert manager.pending_free_ids() == {a.id}
+    [seg] = manager.snapshot()["segments"]
+    assert [(b["id"], b["pending_free"]) for b in seg["blocks"]] == [(a.id, True), (keep.id, False)]
     check(manager, [keep])
     b = manager.malloc(MiB)                             # stream 0 must not get a's bytes yet
     assert b.segment_location() != loc

@@ -398,6 +398,10 @@ cdef class ManagerCore:
         """Freed buffers whose blocks wait for other streams (see Buffer.record_stream)."""
         return len(self._pending)
 
+    def pending_free_ids(self) -> frozenset:
+        """Ids of the freed buffers whose blocks wait for other streams."""
+        return frozenset((<_PendingFree>p).serial for p in self._pending)
+
     def collect_pending_frees(self, bint wait=False) -> int:
         """Return to the pool every deferred free whose streams have passed it (all of them,
         after synchronizing the device, when `wait`); the number of blocks returned."""
