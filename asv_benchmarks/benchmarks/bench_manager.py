@@ -51,3 +51,21 @@ class Mixed:
         return c["reserved_bytes"] / max(1, c["requested_bytes"])
 
     track_reserved_over_live.unit = "ratio"
+
+
+class CrossStream:
+    """A buffer also used on a second stream (``record_stream``): free records an event there,
+    and the next malloc collects the block once the event is done (sim: at once, no work)."""
+
+    def setup(self):
+        self.mm = sim_manager(track=False)
+        self.stream = self.mm.device.create_stream()
+        self.mm.free(self.mm.malloc(4 * KiB))
+
+    def teardown(self):
+        self.mm.close()
+
+    def time_malloc_record_free(self):
+        buf = self.mm.malloc(4 * KiB)
+        buf.record_stream(self.stream)
+        buf.free()
