@@ -7,7 +7,6 @@ from __future__ import annotations
 import ctypes
 import importlib.util
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -23,23 +22,20 @@ MiB = 1 << 20
 HERE = Path(__file__).resolve().parent
 
 
-def _build_prerequisites() -> str:
-    """Why the fake cannot be built and run here, or "" when it can."""
+@pytest.fixture
+def fake_lib_dir(tmp_path) -> Path:
+    """The fake built into a fresh folder; skips where cuda-python, gcc or cuda.h is missing."""
     if importlib.util.find_spec("cuda") is None or importlib.util.find_spec("cuda.bindings") is None:
-        return "cuda-python is not installed"
-    if shutil.which("gcc") is None:
-        return "gcc is not on PATH"
-    if not (fake_cuda.cuda_include_dir() / "cuda.h").is_file():
-        return f"no cuda.h under {fake_cuda.cuda_include_dir()}"
-    return ""
+        pytest.skip("cuda-python is not installed")
+    try:
+        return fake_cuda.build(tmp_path).parent
+    except fake_cuda.FakeCudaBuildError as exc:
+        pytest.skip(str(exc).splitlines()[0])
 
 
-def test_fake_driver_under_cuda_python_and_gpumem():
+def test_fake_driver_under_cuda_python_and_gpumem(fake_lib_dir):
     """smoke.py: every driver call gpumem makes, through cuda.bindings, on the fake (with and
     without cuGetProcAddress_v2, no device, two devices), then gpumem's CudaBackend on it."""
-    reason = _build_prerequisites()
-    if reason:
-        pytest.skip(reason)
     out = subprocess.run([sys.executable, str(HERE / "fake_cuda" / "smoke.py")],
                          capture_output=True, text=True, timeout=300)
     failures = [line for line in out.stdout.splitlines() if line.startswith("FAIL")]
@@ -115,13 +111,10 @@ def test_busy_stream_holds_a_recorded_block_back(fake):
         mm.close()
 
 
-def test_manager_left_open_at_exit_is_quiet(tmp_path):
+def test_manager_left_open_at_exit_is_quiet(fake_lib_dir):
     """At interpreter exit the device's finalizer releases the primary context before the
     manager's __del__ runs; close() must then see the device closed and say nothing."""
-    reason = _build_prerequisites()
-    if reason:
-        pytest.skip(reason)
-    lib_dir = fake_cuda.build(tmp_path).parent
+    lib_dir = fake_lib_dir
     code = ("import warnings; warnings.simplefilter('always')\n"
             "import gpumem\n"
             "mm = gpumem.MemoryManager('cuda:0')\n"

@@ -484,15 +484,20 @@ class CudaDevice(Device):
                 f"{self.device_string}: stream {stream!r} was not created by this device")
         self._call("cuStreamDestroy", self._drv.cuStreamDestroy, s)
 
-    def stream_idle(self, stream: int) -> bool:
+    def _finished(self, what: str, query: Any, handle: Any) -> bool:
+        """A non-blocking query (cuStreamQuery, cuEventQuery): CUDA_ERROR_NOT_READY means
+        work is still pending; any other error raises."""
         drv = self._drv
         with self._current():
-            res = drv.cuStreamQuery(self._stream_obj(stream))
-            code = res[0] if isinstance(res, tuple) else res
-            if int(code) == int(drv.CUresult.CUDA_ERROR_NOT_READY):
-                return False
-            check(drv, res, "cuStreamQuery")
-            return True
+            res = query(handle)
+        code = res[0] if isinstance(res, tuple) else res
+        if int(code) == int(drv.CUresult.CUDA_ERROR_NOT_READY):
+            return False
+        check(drv, res, what)
+        return True
+
+    def stream_idle(self, stream: int) -> bool:
+        return self._finished("cuStreamQuery", self._drv.cuStreamQuery, self._stream_obj(stream))
 
     def synchronize(self) -> None:
         self._call("cuCtxSynchronize", self._drv.cuCtxSynchronize)
@@ -517,18 +522,11 @@ class CudaDevice(Device):
         return eid
 
     def event_done(self, event: int) -> bool:
-        drv = self._drv
         with self._lock:
             ev = self._events.get(event)
         if ev is None:
             raise InvalidInputError(f"{self.device_string}: unknown event {event!r}")
-        with self._current():
-            res = drv.cuEventQuery(ev)
-            code = res[0] if isinstance(res, tuple) else res
-            if int(code) == int(drv.CUresult.CUDA_ERROR_NOT_READY):
-                return False
-            check(drv, res, "cuEventQuery")
-            return True
+        return self._finished("cuEventQuery", self._drv.cuEventQuery, ev)
 
     def destroy_event(self, event: int) -> None:
         with self._lock:

@@ -395,20 +395,9 @@ class OpenCLDevice(Device):
         except self._cl.Error as exc:
             raise map_cl_error(self._cl, exc, "clFinish") from None
 
-    def stream_idle(self, stream: int) -> bool:
-        """Enqueue a marker (which completes only after all earlier commands on the in-order
-        queue), flush so it is submitted, and report whether it has completed."""
-        cl = self._cl
-        q = self.queue(stream)
-        try:
-            marker = cl.enqueue_marker(q)
-            q.flush()
-            return marker.command_execution_status == cl.command_execution_status.COMPLETE
-        except cl.Error as exc:
-            raise map_cl_error(cl, exc, "querying a command queue") from None
-
-    # Events are markers: on an in-order queue a marker completes after every earlier command.
-    def record_event(self, stream: int = 0) -> int:
+    def _marker(self, stream: int) -> Any:
+        """A marker enqueued on ``stream``'s in-order queue, flushed so it is submitted: it
+        completes only after every earlier command on that queue."""
         cl = self._cl
         q = self.queue(stream)
         try:
@@ -416,21 +405,32 @@ class OpenCLDevice(Device):
             q.flush()
         except cl.Error as exc:
             raise map_cl_error(cl, exc, "enqueueing a marker") from None
+        return marker
+
+    def _complete(self, marker: Any) -> bool:
+        cl = self._cl
+        try:
+            return marker.command_execution_status == cl.command_execution_status.COMPLETE
+        except cl.Error as exc:
+            raise map_cl_error(cl, exc, "querying an event") from None
+
+    def stream_idle(self, stream: int) -> bool:
+        return self._complete(self._marker(stream))
+
+    # Events are markers too.
+    def record_event(self, stream: int = 0) -> int:
+        marker = self._marker(stream)
         with self._lock:
             event = next(self._event_ids)
             self._events[event] = marker
         return event
 
     def event_done(self, event: int) -> bool:
-        cl = self._cl
         with self._lock:
             marker = self._events.get(event)
         if marker is None:
             raise InvalidInputError(f"{self.device_string}: unknown event {event!r}")
-        try:
-            return marker.command_execution_status == cl.command_execution_status.COMPLETE
-        except cl.Error as exc:
-            raise map_cl_error(cl, exc, "querying an event") from None
+        return self._complete(marker)
 
     def destroy_event(self, event: int) -> None:
         with self._lock:
