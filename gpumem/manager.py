@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import os
 import threading
 import warnings
+import weakref
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 from gpumem._core.buffer import Buffer, ManagerCore
@@ -38,6 +40,24 @@ FRAGMENTATION_WARNING = 0.30
 #: called as ``callback(manager, requested_bytes)`` when a request cannot be served; it may
 #: free memory, after which the request is retried once.
 OomCallback = Callable[["MemoryManager", int], None]
+
+
+#: Every open MemoryManager of this process, so a forked child can rebuild per-process state
+#: (worker threads and locks do not survive fork). Guarded by _live_lock (adds); the child
+#: reads it alone, as the only thread there.
+_live_managers: "weakref.WeakSet[MemoryManager]" = weakref.WeakSet()
+_live_lock = threading.Lock()
+
+
+def _reinit_after_fork() -> None:
+    global _live_lock
+    _live_lock = threading.Lock()         # may have been held by another parent thread
+    for manager in list(_live_managers):
+        manager._after_fork_in_child()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reinit_after_fork)
 
 
 def _byte_count(value: Any, what: str) -> int:
@@ -97,6 +117,9 @@ class MemoryManager(ManagerCore):
         self._fallback_live = 0
         self._host: MemoryManager | None = None
         self._streams: set[int] = {0}
+        # destroyed streams whose pending work may not have finished yet: their cached blocks go
+        # to other streams only after a synchronize (guarded by _slow)
+        self._unsynced_dead: set[int] = set()
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._frag_warned = False
         self.tracker = None
@@ -104,6 +127,9 @@ class MemoryManager(ManagerCore):
             from gpumem.tracking import AllocationTracker
             self.tracker = AllocationTracker(self, capture_stacks=config.track_stacks)
             self.add_observer(self.tracker)
+        dev.add_stream_listener(self._on_stream_destroyed)
+        with _live_lock:
+            _live_managers.add(self)
 
     # --- properties -----------------------------------------------------------------------
     @property
@@ -160,7 +186,8 @@ class MemoryManager(ManagerCore):
         """Like malloc but never falls back to the CPU (used by migrate_to_device)."""
         if self._closed:
             raise ClosedManagerError(f"the manager for {self.device_string} is closed")
-        buf = self._alloc_cached(nbytes, stream, tag) if self.pool.has_stream(stream) else None
+        cached = self.pool.has_stream(stream) and not self._is_dead_stream(stream)
+        buf = self._alloc_cached(nbytes, stream, tag) if cached else None
         if buf is None:
             buf = self._malloc_device(nbytes, stream, tag)
         if buf is None:
@@ -198,20 +225,60 @@ class MemoryManager(ManagerCore):
     def _ensure_stream(self, stream: int) -> None:
         if stream in self._streams:
             return
-        try:
-            self.device.stream_idle(stream)       # the device validates the handle
-        except (DriverError, InvalidInputError) as exc:   # drivers differ in which they raise
-            raise InvalidInputError(f"stream {stream} is not a stream of {self.device_string}: "
-                                    f"{exc}") from None
-        self.pool.register_stream(stream)
-        self._streams.add(stream)
+        with self._slow:
+            try:
+                self.device.stream_idle(stream)       # the device validates the handle
+            except (DriverError, InvalidInputError) as exc:   # drivers differ in which they raise
+                gone = " (it was destroyed)" if self._is_dead_stream(stream) else ""
+                raise InvalidInputError(f"stream {stream} is not a stream of "
+                                        f"{self.device_string}{gone}: {exc}") from None
+            if self._is_dead_stream(stream):
+                # the driver gave a destroyed stream's handle to a new stream: the old one's
+                # cached blocks may be reused only once its last work is done
+                self._sync_dead_streams()
+                self._stream_revived(stream)
+            self.pool.register_stream(stream)
+            self._streams.add(stream)
 
     _check_stream = _ensure_stream            # Buffer.record_stream validates through it
 
+    def _on_stream_destroyed(self, stream: int) -> None:
+        """Device listener: `stream` was destroyed. Allocations on it are refused from now on;
+        its cached blocks (and blocks of its live buffers, once freed) go to other streams
+        after a synchronize has drained what it had queued."""
+        with self._slow:
+            if stream in self._streams or self.pool.has_stream(stream):
+                self._forget_stream(stream)
+
+    def _forget_stream(self, stream: int) -> None:
+        self._streams.discard(stream)
+        self._unsynced_dead.add(stream)
+        self._stream_died(stream)
+
+    def _sync_dead_streams(self) -> None:
+        if self._unsynced_dead:
+            self.device.synchronize()
+            self._unsynced_dead.clear()
+
     def _from_idle_streams(self, nbytes: int, stream: int, tag: Any) -> Buffer | None:
         """Blocks cached by streams whose work has finished are merged into `stream`'s heaps
-        (whole segments reappear, so release_before_grow can see them); then retry the cache."""
-        idle = [s for s in self.pool.streams_with_free(stream) if self.device.stream_idle(s)]
+        (whole segments reappear, so release_before_grow can see them); then retry the cache.
+        A stream the device no longer knows (destroyed) counts as finished after one
+        synchronize."""
+        idle, dead = [], []
+        for s in self.pool.streams_with_free(stream):
+            if self._is_dead_stream(s):
+                dead.append(s)
+                continue
+            try:
+                if self.device.stream_idle(s):
+                    idle.append(s)
+            except (DriverError, InvalidInputError):  # destroyed behind this manager's back
+                self._forget_stream(s)
+                dead.append(s)
+        if dead:
+            self._sync_dead_streams()
+            idle += dead
         if not idle:
             return None
         self.pool.reclaim_idle(idle, stream)
@@ -447,7 +514,13 @@ class MemoryManager(ManagerCore):
 
     # --- statistics ----------------------------------------------------------------------------------
     def stats(self) -> MemoryStats:
+        """Counters of this manager: what it holds now, peaks and totals since creation. After
+        close() it holds nothing, and the held figures say 0."""
         c = self.pool.counters(consistent=True)
+        if self._closed:
+            for held in ("reserved_bytes", "in_use_bytes", "requested_bytes", "active_blocks",
+                         "num_segments", "largest_free_block"):
+                c[held] = 0
         return MemoryStats(
             device=self.device_string,
             total_allocated_bytes=c["reserved_bytes"],
@@ -461,14 +534,15 @@ class MemoryManager(ManagerCore):
             pool_misses=c["misses"],
             cpu_fallbacks=self._cpu_fallbacks,
             fallback_bytes=self._fallback_bytes,
-            active_buffers=c["active_blocks"] - self.pending_free_count + self._fallback_live,
+            active_buffers=(0 if self._closed else
+                            c["active_blocks"] - self.pending_free_count + self._fallback_live),
             num_allocs=c["num_allocs"],
             num_frees=c["num_frees"],
             num_segments=c["num_segments"],
             segments_created=c["segments_created"],
             segments_released=c["segments_released"],
             num_ooms=self._num_ooms,
-            pending_free_bytes=self.pending_free_bytes,
+            pending_free_bytes=0 if self._closed else self.pending_free_bytes,
         )
 
     # --- pressure ----------------------------------------------------------------------------------
@@ -596,7 +670,11 @@ class MemoryManager(ManagerCore):
             if self._closed:
                 return
             if self.tracker is not None:
-                self.tracker.report_leaks(at="close()")
+                try:
+                    self.tracker.report_leaks(at="close()")
+                except Exception as exc:  # a report must never keep the memory held
+                    warnings.warn(f"gpumem: the leak report of {self.device_string} failed "
+                                  f"while closing: {exc!r}", RuntimeWarning)
             self._mark_closed()
             # A device closed first (its context released at interpreter exit) took its
             # memory with it: nothing is left to return.
@@ -607,16 +685,23 @@ class MemoryManager(ManagerCore):
             if self._executor is not None:
                 self._executor.shutdown(wait=False)
 
+    def _after_fork_in_child(self) -> None:
+        """In a forked child only the forking thread exists: the malloc_async worker and any
+        lock another thread held are gone. Start them afresh (the executor lazily)."""
+        self._slow = threading.RLock()
+        self._executor = None
+        self._reset_collector()
+
     def _return_everything(self) -> None:
         try:
             self.collect_pending_frees(wait=True)       # releases their events
             self.device.synchronize()
-        except DriverError as exc:
+        except Exception as exc:  # close() always goes on to return the segments
             warnings.warn(f"gpumem: synchronize failed while closing: {exc}", RuntimeWarning)
         for handle in self.pool.live_segment_handles():
             try:
                 self.device.free_segment(handle)
-            except DriverError as exc:
+            except Exception as exc:  # keep returning the others
                 warnings.warn(f"gpumem: could not free segment {handle:#x} on close: {exc}",
                               RuntimeWarning)
 

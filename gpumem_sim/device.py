@@ -595,6 +595,7 @@ class SimDevice(Device):
                 raise InvalidInputError("the default stream 0 cannot be destroyed")
             del self._submitted[s]
             del self._completed[s]
+        self._stream_destroyed(s)
 
     def stream_idle(self, stream: int) -> bool:
         with self._lock:

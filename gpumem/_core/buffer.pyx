@@ -15,6 +15,7 @@ from gpumem._core.pool cimport (CachingPool, gm_pool, gm_block, gm_alloc, gm_fre
                                 GM_OK, GM_MISS, GM_UNKNOWN_STREAM, GM_BAD_BLOCK)
 
 import operator
+import threading
 import warnings
 
 from gpumem.errors import (ClosedManagerError, DoubleFreeError, ForeignBufferError,
@@ -22,6 +23,8 @@ from gpumem.errors import (ClosedManagerError, DoubleFreeError, ForeignBufferErr
 
 cdef long long _SIZE_TOO_BIG = 1LL << 62
 _STREAM_LIMIT = 1 << 64
+_NOT_COPYABLE = ("a gpumem {} cannot be copied or pickled: it owns device memory that has one "
+                 "owner; use copy_to_host() for the bytes, or a new malloc() and copy_from_host()")
 
 
 cdef long long _size_arg(object nbytes) except -1:
@@ -47,7 +50,7 @@ cdef class Buffer:
     or when garbage-collected. `ptr` is the device address (synthetic on OpenCL: use `native`
     for the sub-buffer)."""
 
-    cdef readonly size_t ptr
+    cdef size_t _ptr                     # read through `ptr`, which refuses freed buffers
     cdef readonly size_t nbytes
     cdef readonly uint64_t id
     cdef readonly object tag
@@ -59,6 +62,31 @@ cdef class Buffer:
 
     def __init__(self, *args, **kwargs):
         raise TypeError("Buffers come from MemoryManager.malloc(); they cannot be built directly")
+
+    # Device memory has one owner: a copy would free the same block twice, a pickle would
+    # name an address that means nothing in another process.
+    def __reduce_ex__(self, protocol):
+        raise TypeError(_NOT_COPYABLE.format("Buffer"))
+
+    def __copy__(self):
+        raise TypeError(_NOT_COPYABLE.format("Buffer"))
+
+    def __deepcopy__(self, memo):
+        raise TypeError(_NOT_COPYABLE.format("Buffer"))
+
+    @property
+    def ptr(self) -> int:
+        """The device address (synthetic on OpenCL). Raises once the buffer is freed or its
+        manager closed, instead of handing out a dangling address."""
+        if self._block == NULL or self._owner._closed:
+            self._raise_dead()
+        return self._ptr
+
+    cdef int _raise_dead(self) except -1:
+        if self._owner is not None and self._owner._closed:
+            raise ClosedManagerError(f"buffer {self.id}: the manager for "
+                                     f"{self._owner.device_string} is closed")
+        raise InvalidInputError(f"buffer {self.id} has been freed")
 
     @property
     def stream(self) -> int:
@@ -93,8 +121,8 @@ cdef class Buffer:
         reused only once all of them have passed it (as torch's ``Tensor.record_stream``).
         Until then its bytes count as ``pending_free_bytes``."""
         cdef uint64_t s
-        if not self.alive:
-            raise InvalidInputError(f"buffer {self.id} has been freed")
+        if self._block == NULL or self._owner._closed:
+            self._raise_dead()
         s = self._owner._stream_handle(stream)
         self._owner._check_stream(s)
         if s == self._stream:
@@ -138,14 +166,15 @@ cdef class Buffer:
     def __repr__(self) -> str:
         state = "" if self.alive else ", freed"
         tag = "" if self.tag is None else f", tag={self.tag!r}"
-        return (f"<gpumem.Buffer id={self.id} {self.nbytes} B at {self.ptr:#x} on "
+        return (f"<gpumem.Buffer id={self.id} {self.nbytes} B at {self._ptr:#x} on "
                 f"{self._owner.device_string}, stream {self._stream}{tag}{state}>")
 
     # --- where the bytes are, for the backend ------------------------------------------------
     def segment_location(self) -> tuple:
-        """``(segment handle, offset)`` for backend calls; raises if the buffer is freed."""
-        if not self.alive:
-            raise InvalidInputError(f"buffer {self.id} has been freed")
+        """``(segment handle, offset)`` for backend calls; raises InvalidInputError if the
+        buffer is freed, ClosedManagerError if its manager is closed."""
+        if self._block == NULL or self._owner._closed:
+            self._raise_dead()
         return self._block.segment.handle, self._block.offset
 
     @property
@@ -189,7 +218,7 @@ cdef class Buffer:
         if self._owner.device.backend != "cuda":
             raise AttributeError("__cuda_array_interface__ is only offered by CUDA buffers")
         self.segment_location()
-        return {"shape": (self.nbytes,), "typestr": "|u1", "data": (self.ptr, False),
+        return {"shape": (self.nbytes,), "typestr": "|u1", "data": (self._ptr, False),
                 "strides": None, "version": 3,
                 "stream": self._stream if self._stream else None}
 
@@ -198,7 +227,7 @@ cdef class Buffer:
         if self._owner.device.backend != "cpu":
             raise AttributeError("__array_interface__ is only offered by host (cpu) buffers")
         self.segment_location()
-        return {"shape": (self.nbytes,), "typestr": "|u1", "data": (self.ptr, False),
+        return {"shape": (self.nbytes,), "typestr": "|u1", "data": (self._ptr, False),
                 "strides": None, "version": 3}
 
 
@@ -217,7 +246,7 @@ cdef class _DroppedBuffer:
     @staticmethod
     cdef _DroppedBuffer of(Buffer buf):
         cdef _DroppedBuffer d = _DroppedBuffer.__new__(_DroppedBuffer)
-        d.ptr = buf.ptr
+        d.ptr = buf._ptr
         d.nbytes = buf.nbytes
         d.id = buf.id
         d.tag = buf.tag
@@ -248,6 +277,20 @@ cdef class ManagerCore:
     cdef size_t _cache_limit             # cached bytes above this call _trim_cache()
     cdef list _pending                   # _PendingFree: freed, waiting for other streams
     cdef readonly size_t pending_free_bytes
+    cdef object _collect_lock            # threading.RLock: one collect_pending_frees at a time
+    cdef bint _collecting                # set while this manager's collector runs
+    cdef set _dead_streams               # destroyed streams with heaps still in the pool
+    cdef int _ndead                      # len(_dead_streams): one C test on the hot path
+
+    # Device memory has one owner: see Buffer.__reduce_ex__.
+    def __reduce_ex__(self, protocol):
+        raise TypeError(_NOT_COPYABLE.format(type(self).__name__))
+
+    def __copy__(self):
+        raise TypeError(_NOT_COPYABLE.format(type(self).__name__))
+
+    def __deepcopy__(self, memo):
+        raise TypeError(_NOT_COPYABLE.format(type(self).__name__))
 
     def _core_init(self, CachingPool pool, device, str device_string) -> None:
         self.pool = pool
@@ -257,6 +300,8 @@ cdef class ManagerCore:
         self._max_request = <size_t>-1
         self._cache_limit = <size_t>-1
         self._pending = []
+        self._collect_lock = threading.RLock()
+        self._dead_streams = set()
 
     def _set_limits(self, max_request, cache_limit) -> None:
         """max_request: largest servable request; cache_limit: cached bytes kept (None: any)."""
@@ -280,6 +325,8 @@ cdef class ManagerCore:
             s = 0
         else:
             s = self._stream_handle(stream)
+        if n == _SIZE_TOO_BIG and not self._closed:
+            raise self._oom_error(operator.index(nbytes))   # no device holds it: say what was asked
         return self._malloc_c(n, s, tag)
 
     cdef object _malloc_c(self, long long n, uint64_t s, object tag):
@@ -289,6 +336,8 @@ cdef class ManagerCore:
             raise ClosedManagerError(f"the manager for {self.device_string} is closed")
         if self.pending_free_bytes:
             self.collect_pending_frees()
+        if self._ndead and s in self._dead_streams:
+            return self._malloc_slow(n, s, tag)       # refused there, or revived (handle reused)
         if <size_t>n > self._max_request:
             return self._malloc_slow(n, s, tag)
         if gm_alloc(self._p, <size_t>n, s, &b) != GM_OK:
@@ -306,7 +355,7 @@ cdef class ManagerCore:
         cdef Buffer buf = Buffer.__new__(Buffer)
         buf._block = b
         buf.id = b.serial
-        buf.ptr = b.segment.base + b.offset
+        buf._ptr = b.segment.base + b.offset
         buf.nbytes = n
         buf._stream = s
         buf.tag = tag
@@ -400,34 +449,83 @@ cdef class ManagerCore:
 
     def pending_free_ids(self) -> frozenset:
         """Ids of the freed buffers whose blocks wait for other streams."""
-        return frozenset((<_PendingFree>p).serial for p in self._pending)
+        return frozenset((<_PendingFree>p).serial for p in list(self._pending))
 
     def collect_pending_frees(self, bint wait=False) -> int:
         """Return to the pool every deferred free whose streams have passed it (all of them,
-        after synchronizing the device, when `wait`); the number of blocks returned."""
+        after synchronizing the device, when `wait`); the number of blocks returned.
+
+        One collector at a time (``_collect_lock``). Without `wait` a call that finds another
+        thread collecting returns 0 at once (malloc calls this and must not queue behind it);
+        a call re-entered from a finalizer that runs during a collection returns 0 too.
+        Deferrers only append to ``_pending``; only the collector removes, so the first n
+        entries it saw stay where they are while event queries let the GIL go."""
         cdef _PendingFree p
         cdef list pending = self._pending
-        cdef list keep = []
-        cdef Py_ssize_t i = 0, n = len(pending), done = 0
-        if n == 0:
+        cdef list done = []
+        cdef Py_ssize_t i, n
+        if not pending:
             return 0
-        self._pending = keep          # frees deferred meanwhile (another thread) land here
+        if not self._collect_lock.acquire(wait):
+            return 0
         try:
-            if wait:
-                self.device.synchronize()
-            while i < n:
-                p = pending[i]
-                if wait or self._events_done(p.events):
-                    self._destroy_events(p.events)
+            if self._collecting:
+                return 0
+            self._collecting = True
+            try:
+                n = len(pending)
+                error = None
+                if wait:
+                    self.device.synchronize()
+                for i in range(n):
+                    try:
+                        if wait or self._events_done((<_PendingFree>pending[i]).events):
+                            done.append(i)
+                    except Exception as exc:  # a driver error: the rest stays pending
+                        error = exc
+                        break
+                for i in reversed(done):
+                    p = pending[i]
+                    del pending[i]
                     self.pending_free_bytes -= p.block.size
                     gm_free(self._p, p.block, p.serial)
-                    done += 1
-                else:
-                    keep.append(p)
-                i += 1
+                    self._destroy_events(p.events)
+                if error is not None:
+                    raise error
+                return len(done)
+            finally:
+                self._collecting = False
         finally:
-            keep.extend(pending[i:])  # a driver error while querying leaves the rest pending
-        return done
+            self._collect_lock.release()
+
+    # --- streams destroyed under the pool (Device.destroy_stream, or found unknown) ----------
+    cdef int _mark_stream_dead(self, uint64_t s) except -1:
+        """From now on malloc on `s` takes the slow path, which refuses it (or, if the driver
+        reused the handle for a new stream, revives it)."""
+        if s not in self._dead_streams:
+            self._dead_streams.add(s)
+            self._ndead += 1
+        return 0
+
+    cdef int _mark_stream_alive(self, uint64_t s) except -1:
+        if s in self._dead_streams:
+            self._dead_streams.discard(s)
+            self._ndead -= 1
+        return 0
+
+    def _stream_died(self, stream) -> None:
+        self._mark_stream_dead(stream)
+
+    def _stream_revived(self, stream) -> None:
+        self._mark_stream_alive(stream)
+
+    def _is_dead_stream(self, stream) -> bool:
+        return self._ndead != 0 and stream in self._dead_streams
+
+    def _reset_collector(self) -> None:
+        """After fork: the collector lock may have been held by a thread that is gone."""
+        self._collect_lock = threading.RLock()
+        self._collecting = False
 
     def _stream_handle(self, stream) -> int:
         """The integer handle of a stream argument; registers new streams after validation."""

@@ -416,10 +416,12 @@ cdef size_t _largest_free(gm_pool* p) noexcept nogil:
 
 
 cdef tuple _detach_segment(gm_pool* p, gm_segment* seg):
-    """Unlink a wholly free segment (lock held), drop its blocks; return its description."""
+    """Unlink a wholly free segment (lock held), drop its blocks; return its description. Its
+    stream is the one whose heap held the free block (the last stream to use the bytes), so
+    restore_segment puts it back where it is safe, not under the stream that created it."""
     cdef gm_block* b = seg.first
     cdef gm_block* nxt
-    cdef tuple desc = (seg.handle, seg.base, seg.size, bool(seg.is_small), seg.stream)
+    cdef tuple desc = (seg.handle, seg.base, seg.size, bool(seg.is_small), b.stream)
     if b.next == NULL:
         gm_sub(p.stats.whole_free_bytes, seg.size)
     while b != NULL:

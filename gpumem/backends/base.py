@@ -12,12 +12,19 @@ Streams are integers; ``0`` is the device's default stream/queue.
 from __future__ import annotations
 
 import abc
+import inspect
+import threading
+import weakref
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from gpumem.errors import InvalidInputError
 
 __all__ = ["DeviceProperties", "DeviceDescription", "Device", "Backend", "check_block_range"]
+
+#: Guards every device's list of stream listeners (short critical sections, no callbacks run
+#: under it).
+_listeners_lock = threading.Lock()
 
 
 def check_block_range(device: str, handle: int, size: int | None, offset: int,
@@ -129,6 +136,27 @@ class Device(abc.ABC):
     @abc.abstractmethod
     def synchronize(self) -> None:
         """Wait for all work on the device (before segments are returned to the driver)."""
+
+    # --- who is told when a stream is destroyed -------------------------------------------------
+    def add_stream_listener(self, callback: Callable[[int], None]) -> None:
+        """Call ``callback(stream)`` after :meth:`destroy_stream` destroyed ``stream`` (managers
+        stop serving it). A bound method is held weakly: a listener never keeps its manager
+        alive."""
+        ref: Callable[[], Any] = (weakref.WeakMethod(callback) if inspect.ismethod(callback)
+                                  else (lambda: callback))
+        with _listeners_lock:
+            self.__dict__.setdefault("_stream_listeners", []).append(ref)
+
+    def _stream_destroyed(self, stream: int) -> None:
+        """Backends call this at the end of a successful destroy_stream."""
+        with _listeners_lock:
+            refs = self.__dict__.get("_stream_listeners", [])
+            alive = [r for r in refs if r() is not None]
+            refs[:] = alive
+        for ref in alive:                     # outside the lock: listeners take their own
+            callback = ref()
+            if callback is not None:
+                callback(stream)
 
     # --- events (a block used on several streams is reused only once they pass its free) -----
     # The defaults are correct for any device but coarse: recording synchronizes everything.

@@ -482,7 +482,10 @@ class CudaDevice(Device):
         if s is None:
             raise InvalidInputError(
                 f"{self.device_string}: stream {stream!r} was not created by this device")
-        self._call("cuStreamDestroy", self._drv.cuStreamDestroy, s)
+        try:
+            self._call("cuStreamDestroy", self._drv.cuStreamDestroy, s)
+        finally:
+            self._stream_destroyed(stream)    # gone from this device either way
 
     def _finished(self, what: str, query: Any, handle: Any) -> bool:
         """A non-blocking query (cuStreamQuery, cuEventQuery): CUDA_ERROR_NOT_READY means

@@ -360,6 +360,7 @@ class HostDevice(Device):
             if stream not in self._streams:
                 raise InvalidInputError(f"cpu: stream {stream!r} was not created by this device")
             self._streams.discard(stream)
+        self._stream_destroyed(stream)
 
     def stream_idle(self, stream: int) -> bool:
         with self._lock:

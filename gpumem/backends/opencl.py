@@ -394,6 +394,8 @@ class OpenCLDevice(Device):
             q.finish()      # the queue itself is released when its last reference goes
         except self._cl.Error as exc:
             raise map_cl_error(self._cl, exc, "clFinish") from None
+        finally:
+            self._stream_destroyed(stream)    # gone from this device either way
 
     def _marker(self, stream: int) -> Any:
         """A marker enqueued on ``stream``'s in-order queue, flushed so it is submitted: it
