@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from gpumem.errors import DoubleFreeError, InvalidInputError
+from gpumem.errors import ClosedManagerError, DoubleFreeError, InvalidInputError
 
 if TYPE_CHECKING:
     from gpumem._core.buffer import Buffer
@@ -29,8 +29,26 @@ class FallbackBuffer:
         self.stream = stream
         self.tag = tag
 
+    # One owner for the host block and its accounting: a copy's collection would release the
+    # original's fallback bytes (and a pickle names an address of this process).
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError("a gpumem FallbackBuffer cannot be copied or pickled: it owns memory "
+                        "that has one owner; use copy_to_host() for the bytes")
+
+    def __copy__(self) -> Any:
+        self.__reduce_ex__(0)
+
+    def __deepcopy__(self, memo: Any) -> Any:
+        self.__reduce_ex__(0)
+
+    def _check_usable(self) -> None:
+        if self._manager._closed:
+            raise ClosedManagerError(f"fallback buffer {self.id}: the manager for "
+                                     f"{self._manager.device_string} is closed")
+
     @property
     def ptr(self) -> int:
+        self._check_usable()
         return self._host.ptr
 
     @property
@@ -54,22 +72,27 @@ class FallbackBuffer:
         return self._host.__array_interface__
 
     def copy_from_host(self, src: Any) -> None:
+        self._check_usable()
         self._host.copy_from_host(src)
 
     def copy_to_host(self, out: Any = None) -> Any:
+        self._check_usable()
         return self._host.copy_to_host(out)
 
     def memset(self, value: int) -> None:
+        self._check_usable()
         self._host.memset(value)
 
     def record_stream(self, stream: Any) -> None:
         """Accepted for code written against Buffer: the stream is validated, nothing waits.
         Host memory is read and written synchronously, so its free is never early."""
+        self._check_usable()
         if not self._host.alive:
             raise InvalidInputError(f"fallback buffer {self.id} has been freed")
         self._manager._check_stream(self._manager._stream_handle(stream))
 
     def free(self) -> None:
+        self._check_usable()
         if not self._host.alive:
             raise DoubleFreeError(f"fallback buffer {self.id} was already freed")
         self._manager._fallback_released(self)
