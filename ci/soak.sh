@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# The stress test of tests/test_stress.py at scale (not part of the default test run):
+# 8 threads on one manager of a host-backed simulated GPU, patterns checked before every
+# free, in four configurations: driver faults with CPU fallback on and off, and near-100 %
+# pressure with fallback on and off.
+# Usage: bash ci/soak.sh [SECONDS]   (default: 1,000,000 operations per configuration;
+#                                     with SECONDS, each configuration runs that long instead)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source ci/setup_env.sh "test"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"   # the checkout's gpumem, built in place
+if [ $# -ge 1 ]; then
+    limit=(--ops 1000000000 --seconds "$1")
+else
+    limit=(--ops 1000000)
+fi
+status=0
+run() { python tests/stress_harness.py "${limit[@]}" "$@" 2>/dev/null || status=1; }
+run --capacity 1GiB --fail-rate 0.02 --cpu-fallback --seed 1
+run --capacity 1GiB --fail-rate 0.02 --seed 2
+run --capacity 192MiB --fail-rate 0.01 --cpu-fallback --seed 3
+run --capacity 192MiB --fail-rate 0.01 --seed 4
+exit $status

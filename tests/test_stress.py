@@ -1,0 +1,31 @@
+"""Eight threads on one manager, short (issue 9's stress test; ci/soak.sh runs it at scale).
+
+Level: real — the real Cython pool, manager and OOM ladder on a host-backed gpumem_sim device.
+What it proves: with concurrent malloc/free on four streams, record_stream, batches,
+malloc_async and a maintenance thread (snapshot, stats, empty_cache, shrink,
+collect_pending_frees, check_invariants), no block is handed out twice (patterns written into
+every buffer are intact at its free), no free is lost (counters exact), and everything returns
+to the device (0 bytes, no events) at the end.
+"""
+from __future__ import annotations
+
+import pytest
+
+from stress_harness import run
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("capacity,fail_rate,cpu_fallback", [
+    ("768MiB", 0.0, False),               # room to spare: hits, splits, cross-stream reuse
+    ("512MiB", 0.1, True),                # driver faults, answered by the CPU fallback
+    ("160MiB", 0.0, False),               # near 100 % pressure: OOM errors under contention
+], ids=["clean", "faults+fallback", "pressure"])
+def test_eight_threads_one_manager(sim_device, capacity, fail_rate, cpu_fallback):
+    res = run(ops=6000, seconds=8, workers=6, capacity=capacity, fail_rate=fail_rate,
+              cpu_fallback=cpu_fallback, seed=3)
+    assert not res.failures, "\n".join(res.failures[:10])
+    assert res.frees_checked > 1000
+    if fail_rate:
+        assert res.fallbacks > 0          # the injected faults were met and answered
+    if capacity == "160MiB":
+        assert res.ooms > 0
