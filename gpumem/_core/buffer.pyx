@@ -11,7 +11,7 @@ cimport cython
 from libc.stdint cimport uint64_t
 from cpython.long cimport PyLong_AsLongLong
 
-from gpumem._core.pool cimport (CachingPool, gm_pool, gm_block, gm_alloc, gm_free,
+from gpumem._core.pool cimport (CachingPool, gm_pool, gm_block, gm_alloc_gil, gm_free_gil,
                                 GM_OK, GM_MISS, GM_UNKNOWN_STREAM, GM_BAD_BLOCK)
 
 import operator
@@ -340,7 +340,7 @@ cdef class ManagerCore:
             return self._malloc_slow(n, s, tag)       # refused there, or revived (handle reused)
         if <size_t>n > self._max_request:
             return self._malloc_slow(n, s, tag)
-        if gm_alloc(self._p, <size_t>n, s, &b) != GM_OK:
+        if gm_alloc_gil(self._p, <size_t>n, s, &b) != GM_OK:
             return self._malloc_slow(n, s, tag)
         return self._wrap(b, <size_t>n, s, tag)
 
@@ -381,7 +381,7 @@ cdef class ManagerCore:
             if self._hooks:
                 self._on_free(buf)
             return 0
-        rc = gm_free(self._p, buf._block, buf.id)
+        rc = gm_free_gil(self._p, buf._block, buf.id)
         if rc != GM_OK:
             raise DoubleFreeError(f"buffer {buf.id} is not live in this pool")
         buf._block = NULL
@@ -397,7 +397,7 @@ cdef class ManagerCore:
         """Buffer.__dealloc__'s free: the block by pointer and serial, observers told `info`."""
         if used_on is not None:
             self._defer_free(b, serial, used_on)
-        elif gm_free(self._p, b, serial) != GM_OK:
+        elif gm_free_gil(self._p, b, serial) != GM_OK:
             return 0                  # already returned (e.g. the pool was reset)
         if info is not None:
             self._on_free(info)
@@ -423,7 +423,7 @@ cdef class ManagerCore:
             warnings.warn(f"gpumem: could not record an event for buffer {serial} on "
                           f"{self.device_string} ({exc}); synchronizing instead", RuntimeWarning)
             self.device.synchronize()
-            gm_free(self._p, b, serial)
+            gm_free_gil(self._p, b, serial)
             return 0
         self._pending.append(p)
         self.pending_free_bytes += b.size
@@ -488,7 +488,7 @@ cdef class ManagerCore:
                     p = pending[i]
                     del pending[i]
                     self.pending_free_bytes -= p.block.size
-                    gm_free(self._p, p.block, p.serial)
+                    gm_free_gil(self._p, p.block, p.serial)
                     self._destroy_events(p.events)
                 if error is not None:
                     raise error
@@ -553,7 +553,7 @@ cdef class ManagerCore:
     def _alloc_cached(self, size_t nbytes, uint64_t stream, tag):
         """A retry of the cache only; None on a miss."""
         cdef gm_block* b
-        if gm_alloc(self._p, nbytes, stream, &b) != GM_OK:
+        if gm_alloc_gil(self._p, nbytes, stream, &b) != GM_OK:
             return None
         return self._wrap(b, nbytes, stream, tag)
 

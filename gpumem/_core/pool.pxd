@@ -93,10 +93,14 @@ ctypedef struct gm_pool:
     int nchunks
     int chunks_cap
 
-# --- the C API (all nogil; each takes the pool's lock itself) --------------------------------
+# --- the C API (each takes the pool's lock itself) --------------------------------------------
+# gm_alloc/gm_free: for callers without the GIL. gm_alloc_gil/gm_free_gil: the same for callers
+# that hold the GIL; they never spin with it (try the lock, else wait with the GIL released).
 cdef size_t gm_round(const gm_pool* p, size_t nbytes) noexcept nogil
 cdef int gm_alloc(gm_pool* p, size_t nbytes, uint64_t stream, gm_block** out) noexcept nogil
 cdef int gm_free(gm_pool* p, gm_block* b, uint64_t serial) noexcept nogil
+cdef int gm_alloc_gil(gm_pool* p, size_t nbytes, uint64_t stream, gm_block** out) noexcept
+cdef int gm_free_gil(gm_pool* p, gm_block* b, uint64_t serial) noexcept
 cdef inline size_t gm_block_address(const gm_block* b) noexcept nogil:
     return b.segment.base + b.offset
 

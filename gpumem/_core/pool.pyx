@@ -11,6 +11,18 @@ manager calls once the backend says S is idle.
 
 Counters are std::atomic so `counters()` reads them without the lock; they are written only
 under the lock, so a relaxed load+store (no locked read-modify-write) is enough.
+
+The lock (one owner: the pool; it guards every C structure of the pool and nothing else):
+
+- While it is held **no Python object is created, no Python code runs and the GIL is never
+  needed**. Any allocation of a Python object can start the cyclic GC, which can free a Buffer
+  whose ``__dealloc__`` needs this lock (a self-deadlock), or run a finalizer that lets the GIL
+  go while another thread spins on the lock. So methods that return Python objects copy what
+  they need into C memory under the lock and build their result after unlocking; arguments are
+  converted to C before locking; errors are raised after unlocking.
+- A caller that holds the GIL never spins on the lock: it tries it once and otherwise releases
+  the GIL while it waits (``_lock_gil``; CuPy's idiom). ``gm_alloc_gil``/``gm_free_gil`` are
+  the GIL-holding variants of ``gm_alloc``/``gm_free``; nogil callers use the plain ones.
 """
 cimport cython
 from libc.stdint cimport uint64_t, int64_t, SIZE_MAX
@@ -58,6 +70,14 @@ cdef inline void _lock(gm_pool* p) noexcept nogil:
 
 cdef inline void _unlock(gm_pool* p) noexcept nogil:
     p.lock.store(0, memory_order_release)
+
+cdef inline void _lock_gil(gm_pool* p) noexcept:
+    """_lock for a caller holding the GIL: one try, else wait with the GIL released (a holder
+    never needs the GIL, but a thread spinning with it would stall every other Python thread)."""
+    if not p.lock.exchange(1, memory_order_acquire):
+        return
+    with nogil:
+        _lock(p)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -314,35 +334,28 @@ cdef size_t gm_round(const gm_pool* p, size_t nbytes) noexcept nogil:
         return SIZE_MAX & ~(g - 1)
     return (nbytes + g - 1) & ~(g - 1)
 
-cdef int gm_alloc(gm_pool* p, size_t nbytes, uint64_t stream, gm_block** out) noexcept nogil:
+cdef inline int _alloc_locked(gm_pool* p, size_t nbytes, uint64_t stream,
+                              gm_block** out) noexcept nogil:
     cdef size_t s = gm_round(p, nbytes)
     cdef int k, hi
     cdef gm_block* b
-    out[0] = NULL
-    _lock(p)
     k = _slot(p, stream)
     if k < 0:
-        _unlock(p)
         return GM_UNKNOWN_STREAM
     hi = 2 * k + (0 if s <= p.cfg.small_size else 1)
     b = _take_fit(p, p.heaps[hi], s)
     if b == NULL:
-        _unlock(p)
         return GM_MISS
     if _carve(p, b, s, nbytes, stream, hi) < 0:
         _heap_insert(p.heaps[hi], b, hi)
-        _unlock(p)
         return GM_MISS
     gm_add(p.stats.hits, 1)
-    _unlock(p)
     out[0] = b
     return GM_OK
 
-cdef int gm_free(gm_pool* p, gm_block* b, uint64_t serial) noexcept nogil:
+cdef inline int _free_locked(gm_pool* p, gm_block* b, uint64_t serial) noexcept nogil:
     cdef int k, hi
-    _lock(p)
     if serial == 0 or b.serial != serial or b.heap_index != -1:
-        _unlock(p)
         return GM_BAD_BLOCK
     k = _slot(p, b.stream)
     hi = 2 * k + (0 if b.segment.is_small else 1)
@@ -354,8 +367,37 @@ cdef int gm_free(gm_pool* p, gm_block* b, uint64_t serial) noexcept nogil:
     b.requested = 0
     b.segment.live_blocks -= 1
     _coalesce_insert(p, b, hi)
-    _unlock(p)
     return GM_OK
+
+cdef int gm_alloc(gm_pool* p, size_t nbytes, uint64_t stream, gm_block** out) noexcept nogil:
+    cdef int rc
+    out[0] = NULL
+    _lock(p)
+    rc = _alloc_locked(p, nbytes, stream, out)
+    _unlock(p)
+    return rc
+
+cdef int gm_free(gm_pool* p, gm_block* b, uint64_t serial) noexcept nogil:
+    cdef int rc
+    _lock(p)
+    rc = _free_locked(p, b, serial)
+    _unlock(p)
+    return rc
+
+cdef int gm_alloc_gil(gm_pool* p, size_t nbytes, uint64_t stream, gm_block** out) noexcept:
+    cdef int rc
+    out[0] = NULL
+    _lock_gil(p)
+    rc = _alloc_locked(p, nbytes, stream, out)
+    _unlock(p)
+    return rc
+
+cdef int gm_free_gil(gm_pool* p, gm_block* b, uint64_t serial) noexcept:
+    cdef int rc
+    _lock_gil(p)
+    rc = _free_locked(p, b, serial)
+    _unlock(p)
+    return rc
 
 
 # ---------------------------------------------------------------------------------------------
@@ -415,13 +457,26 @@ cdef size_t _largest_free(gm_pool* p) noexcept nogil:
     return best
 
 
-cdef tuple _detach_segment(gm_pool* p, gm_segment* seg):
-    """Unlink a wholly free segment (lock held), drop its blocks; return its description. Its
+ctypedef struct _segdesc:            # a detached segment, copied out under the lock
+    uint64_t handle
+    size_t base
+    size_t size
+    int is_small
+    uint64_t stream
+
+
+cdef void _detach_segment(gm_pool* p, gm_segment* seg, _segdesc* desc) noexcept nogil:
+    """Unlink a wholly free segment (lock held), drop its blocks; describe it in *desc. Its
     stream is the one whose heap held the free block (the last stream to use the bytes), so
     restore_segment puts it back where it is safe, not under the stream that created it."""
     cdef gm_block* b = seg.first
     cdef gm_block* nxt
-    cdef tuple desc = (seg.handle, seg.base, seg.size, bool(seg.is_small), b.stream)
+    if desc != NULL:
+        desc.handle = seg.handle
+        desc.base = seg.base
+        desc.size = seg.size
+        desc.is_small = seg.is_small
+        desc.stream = b.stream
     if b.next == NULL:
         gm_sub(p.stats.whole_free_bytes, seg.size)
     while b != NULL:
@@ -439,7 +494,228 @@ cdef tuple _detach_segment(gm_pool* p, gm_segment* seg):
     gm_sub(p.stats.num_segments, 1)
     gm_add(p.stats.segments_released, 1)
     free(seg)
-    return desc
+
+
+cdef size_t _count_free_segments(gm_pool* p) noexcept nogil:
+    """Segments without a live block (lock held): a bound on what one release can detach."""
+    cdef gm_segment* s = p.segments
+    cdef size_t n = 0
+    while s != NULL:
+        n += s.live_blocks == 0
+        s = s.next
+    return n
+
+
+cdef list _desc_list(const _segdesc* d, size_t n):
+    """The detached segments as Python tuples (built after unlocking)."""
+    cdef size_t i
+    return [(d[i].handle, d[i].base, d[i].size, bool(d[i].is_small), d[i].stream)
+            for i in range(n)]
+
+
+# ---------------------------------------------------------------------------------------------
+# introspection: copied out under the lock into these C records, turned into Python after it
+ctypedef struct _segrow:
+    uint64_t handle
+    size_t base
+    size_t size
+    int is_small
+    uint64_t stream
+    size_t first_row                 # its blocks are rows first_row .. first_row+nblocks-1
+    size_t nblocks
+
+ctypedef struct _blockrow:
+    size_t offset
+    size_t size
+    size_t requested
+    int allocated
+    uint64_t stream
+    uint64_t serial
+
+cdef enum:
+    _NCOUNTERS = 14
+
+_COUNTER_NAMES = ("reserved_bytes", "in_use_bytes", "requested_bytes", "peak_in_use_bytes",
+                  "peak_reserved_bytes", "active_blocks", "num_segments", "num_allocs",
+                  "num_frees", "hits", "misses", "segments_created", "segments_released",
+                  "whole_free_bytes")
+
+cdef void _read_counters(gm_stats* st, size_t* v) noexcept nogil:
+    """The counters in _COUNTER_NAMES order."""
+    v[0] = st.reserved_bytes.load()
+    v[1] = st.in_use_bytes.load()
+    v[2] = st.requested_bytes.load()
+    v[3] = st.peak_in_use_bytes.load()
+    v[4] = st.peak_reserved_bytes.load()
+    v[5] = st.active_blocks.load()
+    v[6] = st.num_segments.load()
+    v[7] = st.num_allocs.load()
+    v[8] = st.num_frees.load()
+    v[9] = st.hits.load()
+    v[10] = st.misses.load()
+    v[11] = st.segments_created.load()
+    v[12] = st.segments_released.load()
+    v[13] = st.whole_free_bytes.load()
+
+
+# Findings of check_invariants: a code and up to three numbers each; the text is formatted after
+# unlocking. Codes index _FINDINGS.
+cdef enum:
+    _MAX_FINDINGS = 64
+
+ctypedef struct _finding:
+    int code
+    size_t a, b, c
+
+ctypedef struct _findings:
+    _finding items[_MAX_FINDINGS]
+    size_t n                          # recorded
+    size_t total                      # found (the rest are only counted)
+
+_FINDINGS = (
+    "segment {0:#x}: bad first block",                                          # 0
+    "segment {0:#x}: block at {1} points elsewhere",                            # 1
+    "segment {0:#x}: gap or overlap at offset {1} (block starts at {2})",       # 2
+    "segment {0:#x}: block size {1} not a positive multiple of the granularity",  # 3
+    "segment {0:#x}: broken prev link at {1}",                                  # 4
+    "segment {0:#x}: live block without serial at {1}",                         # 5
+    "free block at {0} keeps a serial",                                         # 6
+    "free block at {0} in the heap of another stream",                          # 7
+    "free block at {0} in the wrong pool's heap",                               # 8
+    "free block at {0} filed under a wrong class",                              # 9
+    "segment {0:#x}: adjacent free blocks at {1} and {2} left unmerged",        # 10
+    "block at {0} has a bad heap index {1}",                                    # 11
+    "segment {0:#x}: blocks cover {1} of {2} bytes",                            # 12
+    "segment {0:#x}: live_blocks {1} but {2} live blocks",                      # 13
+    "heap {0}: bitmap disagrees with list of class {1}",                        # 14
+    "heap {0}: head of class {1} has a predecessor",                            # 15
+    "heap {0}: class {1} lists a block that is not its own",                    # 16
+    "heap {0}: block of {1} below class {2}'s floor",                           # 17
+    "heap {0}: top bitmap disagrees with word {1}",                             # 18
+    "heap {0}: free_bytes {1} but recount {2}",                                 # 19
+    "heap {0}: free_blocks {1} but recount {2}",                                # 20
+    "{0} free blocks in segments but {1} listed",                               # 21
+    "counter " + _COUNTER_NAMES[0] + " is {0} but a recount gives {1}",         # 22
+    "counter " + _COUNTER_NAMES[1] + " is {0} but a recount gives {1}",         # 23
+    "counter " + _COUNTER_NAMES[2] + " is {0} but a recount gives {1}",         # 24
+    "counter active_blocks is {0} but a recount gives {1}",                     # 25
+    "counter num_segments is {0} but a recount gives {1}",                      # 26
+    "counter whole_free_bytes is {0} but a recount gives {1}",                  # 27
+    "num_allocs - num_frees is {0} but there are {1} live blocks",              # 28
+)
+
+cdef inline void _note(_findings* f, int code, size_t a=0, size_t b=0,
+                       size_t c=0) noexcept nogil:
+    if f.n < _MAX_FINDINGS:
+        f.items[f.n].code = code
+        f.items[f.n].a = a
+        f.items[f.n].b = b
+        f.items[f.n].c = c
+        f.n += 1
+    f.total += 1
+
+cdef void _walk_invariants(gm_pool* p, _findings* f) noexcept nogil:
+    """check_invariants' walk (lock held): every finding goes to *f, nothing else is touched."""
+    cdef gm_segment* s
+    cdef gm_block* b
+    cdef gm_heap* h
+    cdef size_t reserved = 0, in_use = 0, requested = 0, nseg = 0, live = 0, seg_live
+    cdef size_t list_free_blocks = 0, free_blocks = 0
+    cdef size_t hbytes, hcount, offset, whole_free = 0
+    cdef int i, c
+    cdef bint nonempty
+    cdef gm_stats* st = &p.stats
+    s = p.segments
+    while s != NULL:
+        nseg += 1
+        reserved += s.size
+        offset = 0
+        seg_live = 0
+        b = s.first
+        if b == NULL or b.prev != NULL:
+            _note(f, 0, s.handle)
+        while b != NULL:
+            if b.segment != s:
+                _note(f, 1, s.handle, b.offset)
+            if b.offset != offset:
+                _note(f, 2, s.handle, offset, b.offset)
+            if b.size == 0 or b.size % p.cfg.granularity:
+                _note(f, 3, s.handle, b.size)
+            if b.next != NULL and b.next.prev != b:
+                _note(f, 4, s.handle, b.next.offset)
+            offset = b.offset + b.size
+            if b.heap_index == -1:
+                if b.serial == 0:
+                    _note(f, 5, s.handle, b.offset)
+                seg_live += 1
+                in_use += b.size
+                requested += b.requested
+            elif b.heap_index >= 0 and b.heap_index < p.nheaps:
+                free_blocks += 1
+                if b.serial != 0:
+                    _note(f, 6, b.offset)
+                if p.heaps[b.heap_index].stream != b.stream:
+                    _note(f, 7, b.offset)
+                if (b.heap_index % 2 == 0) != (s.is_small != 0):
+                    _note(f, 8, b.offset)
+                if b.size_class != _class_of(b.size):
+                    _note(f, 9, b.offset)
+                if b.next != NULL and b.next.heap_index == b.heap_index:
+                    _note(f, 10, s.handle, b.offset, b.next.offset)
+            else:
+                _note(f, 11, b.offset, <size_t>b.heap_index)
+            b = b.next
+        if s.first != NULL and s.first.next == NULL and s.first.heap_index >= 0:
+            whole_free += s.size
+        if offset != s.size:
+            _note(f, 12, s.handle, offset, s.size)
+        if seg_live != s.live_blocks:
+            _note(f, 13, s.handle, s.live_blocks, seg_live)
+        live += seg_live
+        s = s.next
+    for i in range(p.nheaps):
+        h = p.heaps[i]
+        hbytes = 0
+        hcount = 0
+        for c in range(GM_NCLASSES):
+            b = h.heads[c]
+            nonempty = b != NULL
+            if nonempty != ((h.words[c >> 6] & ((<uint64_t>1) << (c & 63))) != 0):
+                _note(f, 14, i, c)
+            if b != NULL and b.free_prev != NULL:
+                _note(f, 15, i, c)
+            while b != NULL:
+                if b.heap_index != i or b.size_class != c:
+                    _note(f, 16, i, c)
+                if b.size < _class_floor(c):
+                    _note(f, 17, i, b.size, c)
+                hbytes += b.size
+                hcount += 1
+                b = b.free_next
+        for c in range(GM_NWORDS):
+            if (h.words[c] != 0) != ((h.top & ((<uint64_t>1) << c)) != 0):
+                _note(f, 18, i, c)
+        if hbytes != h.free_bytes:
+            _note(f, 19, i, h.free_bytes, hbytes)
+        if hcount != h.free_blocks:
+            _note(f, 20, i, h.free_blocks, hcount)
+        list_free_blocks += hcount
+    if list_free_blocks != free_blocks:
+        _note(f, 21, free_blocks, list_free_blocks)
+    if st.reserved_bytes.load() != reserved:
+        _note(f, 22, st.reserved_bytes.load(), reserved)
+    if st.in_use_bytes.load() != in_use:
+        _note(f, 23, st.in_use_bytes.load(), in_use)
+    if st.requested_bytes.load() != requested:
+        _note(f, 24, st.requested_bytes.load(), requested)
+    if st.active_blocks.load() != live:
+        _note(f, 25, st.active_blocks.load(), live)
+    if st.num_segments.load() != nseg:
+        _note(f, 26, st.num_segments.load(), nseg)
+    if st.whole_free_bytes.load() != whole_free:
+        _note(f, 27, st.whole_free_bytes.load(), whole_free)
+    if st.num_allocs.load() - st.num_frees.load() != live:
+        _note(f, 28, st.num_allocs.load() - st.num_frees.load(), live)
 
 
 cdef inline size_t _round_up(size_t n, size_t to) noexcept nogil:
@@ -531,7 +807,7 @@ cdef class CachingPool:
     # --- streams ------------------------------------------------------------------------------
     def register_stream(self, uint64_t stream) -> None:
         cdef int k
-        _lock(self._p)
+        _lock_gil(self._p)
         k = _register_stream(self._p, stream)
         _unlock(self._p)
         if k < 0:
@@ -539,22 +815,31 @@ cdef class CachingPool:
 
     def has_stream(self, uint64_t stream) -> bool:
         cdef int k
-        _lock(self._p)
+        _lock_gil(self._p)
         k = _slot(self._p, stream)
         _unlock(self._p)
         return k >= 0
 
     def streams_with_free(self, uint64_t stream) -> list:
         """Streams other than `stream` that hold cached free blocks."""
-        cdef int k
-        cdef list out = []
-        _lock(self._p)
-        for k in range(self._p.nheaps // 2):
-            if (self._p.heaps[2 * k].stream != stream
-                    and self._p.heaps[2 * k].free_blocks + self._p.heaps[2 * k + 1].free_blocks):
-                out.append(self._p.heaps[2 * k].stream)
-        _unlock(self._p)
-        return out
+        cdef gm_pool* p = self._p
+        cdef uint64_t* found
+        cdef int k, n = 0
+        _lock_gil(p)
+        found = <uint64_t*>malloc(sizeof(uint64_t) * (p.nheaps // 2 + 1))
+        if found != NULL:
+            for k in range(p.nheaps // 2):
+                if (p.heaps[2 * k].stream != stream
+                        and p.heaps[2 * k].free_blocks + p.heaps[2 * k + 1].free_blocks):
+                    found[n] = p.heaps[2 * k].stream
+                    n += 1
+        _unlock(p)
+        if found == NULL:
+            raise MemoryError("cannot list the streams")
+        try:
+            return [found[k] for k in range(n)]
+        finally:
+            free(found)
 
     def reclaim_idle(self, idle_streams, uint64_t into) -> int:
         """Re-file every free block of `idle_streams` under stream `into`, merging neighbours.
@@ -566,30 +851,41 @@ cdef class CachingPool:
         cdef gm_heap* h
         cdef gm_block* b
         cdef int k, kin, part, c
-        cdef uint64_t sid
+        cdef size_t i, nids
         cdef size_t moved = 0
-        _lock(p)
-        kin = _register_stream(p, into)
-        if kin < 0:
+        cdef uint64_t* ids
+        idle = [int(sid) for sid in idle_streams]      # converted before locking
+        nids = len(idle)
+        ids = <uint64_t*>malloc(sizeof(uint64_t) * (nids + 1))
+        if ids == NULL:
+            raise MemoryError("cannot copy the stream list")
+        try:
+            for i in range(nids):
+                ids[i] = idle[i]
+            _lock_gil(p)
+            kin = _register_stream(p, into)
+            if kin >= 0:
+                for i in range(nids):
+                    k = _slot(p, ids[i])
+                    if k < 0 or k == kin:
+                        continue
+                    for part in range(2):
+                        h = p.heaps[2 * k + part]
+                        while h.top:
+                            c = (gm_ctz64(h.top) << 6) + gm_ctz64(h.words[gm_ctz64(h.top)])
+                            b = h.heads[c]
+                            _heap_remove(h, b)
+                            if b.offset == 0 and b.next == NULL:
+                                gm_sub(p.stats.whole_free_bytes, b.segment.size)
+                            b.stream = into
+                            moved += b.size
+                            _coalesce_insert(p, b, 2 * kin + part)
+                p.last_slot = kin
             _unlock(p)
+        finally:
+            free(ids)
+        if kin < 0:
             raise MemoryError("cannot allocate heaps for a new stream")
-        for sid in idle_streams:
-            k = _slot(p, sid)
-            if k < 0 or k == kin:
-                continue
-            for part in range(2):
-                h = p.heaps[2 * k + part]
-                while h.top:
-                    c = (gm_ctz64(h.top) << 6) + gm_ctz64(h.words[gm_ctz64(h.top)])
-                    b = h.heads[c]
-                    _heap_remove(h, b)
-                    if b.offset == 0 and b.next == NULL:
-                        gm_sub(p.stats.whole_free_bytes, b.segment.size)
-                    b.stream = into
-                    moved += b.size
-                    _coalesce_insert(p, b, 2 * kin + part)
-        p.last_slot = kin
-        _unlock(p)
         return moved
 
     # --- segments ---------------------------------------------------------------------------
@@ -599,28 +895,32 @@ cdef class CachingPool:
         cdef gm_pool* p = self._p
         cdef size_t s = gm_round(p, nbytes)
         cdef gm_segment* seg
-        cdef int hi
+        cdef int hi, failed = 0
         if seg_size < s:
             raise ValueError(f"segment of {seg_size} bytes cannot hold a {s}-byte block")
-        _lock(p)
+        _lock_gil(p)
         seg = _link_new_segment(p, handle, base, seg_size, s <= p.cfg.small_size, stream, &hi)
         if seg == NULL:
-            _unlock(p)
-            raise MemoryError("cannot allocate a segment record")
-        gm_max(p.stats.peak_reserved_bytes, p.stats.reserved_bytes.load(memory_order_relaxed))
-        gm_add(p.stats.segments_created, 1)
-        gm_add(p.stats.misses, 1)
-        if _carve(p, seg.first, s, nbytes, stream, hi) < 0:
-            # undo the adoption: the caller returns the segment to the driver
-            _heap_insert(p.heaps[hi], seg.first, hi)
-            _detach_segment(p, seg)
-            gm_sub(p.stats.segments_created, 1)
-            gm_sub(p.stats.segments_released, 1)
-            gm_sub(p.stats.misses, 1)
-            _unlock(p)
-            raise MemoryError("cannot allocate a block record")
-        out[0] = seg.first
+            failed = 1
+        else:
+            gm_max(p.stats.peak_reserved_bytes, p.stats.reserved_bytes.load(memory_order_relaxed))
+            gm_add(p.stats.segments_created, 1)
+            gm_add(p.stats.misses, 1)
+            if _carve(p, seg.first, s, nbytes, stream, hi) < 0:
+                # undo the adoption: the caller returns the segment to the driver
+                _heap_insert(p.heaps[hi], seg.first, hi)
+                _detach_segment(p, seg, NULL)
+                gm_sub(p.stats.segments_created, 1)
+                gm_sub(p.stats.segments_released, 1)
+                gm_sub(p.stats.misses, 1)
+                failed = 2
+            else:
+                out[0] = seg.first
         _unlock(p)
+        if failed == 1:
+            raise MemoryError("cannot allocate a segment record")
+        if failed == 2:
+            raise MemoryError("cannot allocate a block record")
         return 0
 
     def release_free_segments(self, size_t max_bytes=SIZE_MAX, int small=-1) -> list:
@@ -633,10 +933,11 @@ cdef class CachingPool:
         cdef gm_pool* p = self._p
         cdef gm_segment* s
         cdef gm_segment* best
-        cdef size_t released = 0
-        cdef list out = []
-        _lock(p)
-        while released < max_bytes:
+        cdef size_t released = 0, n = 0
+        cdef _segdesc* out
+        _lock_gil(p)
+        out = <_segdesc*>malloc(sizeof(_segdesc) * (_count_free_segments(p) + 1))
+        while out != NULL and released < max_bytes:
             best = NULL
             s = p.segments
             while s != NULL:
@@ -647,9 +948,15 @@ cdef class CachingPool:
             if best == NULL:
                 break
             released += best.size
-            out.append(_detach_segment(p, best))
+            _detach_segment(p, best, &out[n])
+            n += 1
         _unlock(p)
-        return out
+        if out == NULL:
+            raise MemoryError("cannot list the segments to release")
+        try:
+            return _desc_list(out, n)
+        finally:
+            free(out)
 
     def excess_free_segments(self, size_t per_class) -> list:
         """Detach wholly free large-pool segments beyond `per_class` of one size class (the
@@ -657,21 +964,32 @@ cdef class CachingPool:
         cdef gm_pool* p = self._p
         cdef gm_segment* s
         cdef gm_segment* nxt
-        cdef dict seen = {}
-        cdef list out = []
+        cdef size_t* seen = <size_t*>calloc(GM_NCLASSES, sizeof(size_t))
+        cdef _segdesc* out = NULL
+        cdef size_t n = 0
         cdef int c
-        _lock(p)
-        s = p.segments                    # newest first
+        if seen == NULL:
+            raise MemoryError("cannot count the segments per class")
+        _lock_gil(p)
+        out = <_segdesc*>malloc(sizeof(_segdesc) * (_count_free_segments(p) + 1))
+        s = p.segments if out != NULL else NULL       # newest first
         while s != NULL:
             nxt = s.next
             if s.live_blocks == 0 and not s.is_small:
                 c = _class_of(s.size)
-                seen[c] = seen.get(c, 0) + 1
+                seen[c] += 1
                 if seen[c] > per_class:
-                    out.append(_detach_segment(p, s))
+                    _detach_segment(p, s, &out[n])
+                    n += 1
             s = nxt
         _unlock(p)
-        return out
+        free(seen)
+        if out == NULL:
+            raise MemoryError("cannot list the segments to release")
+        try:
+            return _desc_list(out, n)
+        finally:
+            free(out)
 
     def restore_segment(self, uint64_t handle, size_t base, size_t size, bint is_small,
                         uint64_t stream) -> None:
@@ -679,58 +997,55 @@ cdef class CachingPool:
         cdef gm_pool* p = self._p
         cdef gm_segment* seg
         cdef int hi
-        _lock(p)
+        _lock_gil(p)
         seg = _link_new_segment(p, handle, base, size, is_small, stream, &hi)
-        if seg == NULL:
-            _unlock(p)
-            raise MemoryError("cannot allocate a segment record")
-        _heap_insert(p.heaps[hi], seg.first, hi)
-        gm_sub(p.stats.segments_released, 1)
+        if seg != NULL:
+            _heap_insert(p.heaps[hi], seg.first, hi)
+            gm_sub(p.stats.segments_released, 1)
         _unlock(p)
+        if seg == NULL:
+            raise MemoryError("cannot allocate a segment record")
 
     def live_segment_handles(self) -> list:
         """Handles of every segment (for close(): all are returned to the backend)."""
+        cdef gm_pool* p = self._p
         cdef gm_segment* s
-        cdef list out = []
-        _lock(self._p)
-        s = self._p.segments
+        cdef uint64_t* handles
+        cdef size_t i, n = 0
+        _lock_gil(p)
+        handles = <uint64_t*>malloc(sizeof(uint64_t) * (p.stats.num_segments.load() + 1))
+        s = p.segments if handles != NULL else NULL
         while s != NULL:
-            out.append(s.handle)
+            handles[n] = s.handle
+            n += 1
             s = s.next
-        _unlock(self._p)
-        return out
+        _unlock(p)
+        if handles == NULL:
+            raise MemoryError("cannot list the segments")
+        try:
+            return [handles[i] for i in range(n)]
+        finally:
+            free(handles)
 
     # --- statistics ---------------------------------------------------------------------------
     def counters(self, bint consistent=False) -> dict:
         """Every counter. By default read without the lock (each value exact, the set not one
-        moment); with consistent=True read under the lock, one moment, together with
+        moment); with consistent=True copied under the lock, one moment, together with
         ``largest_free_block``."""
         cdef gm_stats* st = &self._p.stats
-        cdef dict out
+        cdef size_t v[_NCOUNTERS]
+        cdef size_t largest = 0
         if consistent:
-            _lock(self._p)
-            try:
-                out = self.counters(False)
-                out["largest_free_block"] = _largest_free(self._p)
-            finally:
-                _unlock(self._p)
-            return out
-        return {
-            "reserved_bytes": st.reserved_bytes.load(),
-            "in_use_bytes": st.in_use_bytes.load(),
-            "requested_bytes": st.requested_bytes.load(),
-            "peak_in_use_bytes": st.peak_in_use_bytes.load(),
-            "peak_reserved_bytes": st.peak_reserved_bytes.load(),
-            "active_blocks": st.active_blocks.load(),
-            "num_segments": st.num_segments.load(),
-            "num_allocs": st.num_allocs.load(),
-            "num_frees": st.num_frees.load(),
-            "hits": st.hits.load(),
-            "misses": st.misses.load(),
-            "segments_created": st.segments_created.load(),
-            "segments_released": st.segments_released.load(),
-            "whole_free_bytes": st.whole_free_bytes.load(),
-        }
+            _lock_gil(self._p)
+            _read_counters(st, v)
+            largest = _largest_free(self._p)
+            _unlock(self._p)
+        else:
+            _read_counters(st, v)
+        out = {name: v[i] for i, name in enumerate(_COUNTER_NAMES)}
+        if consistent:
+            out["largest_free_block"] = largest
+        return out
 
     @property
     def whole_free_bytes(self) -> int:
@@ -750,7 +1065,7 @@ cdef class CachingPool:
         return self._p.stats.peak_reserved_bytes.load()
 
     def reset_peaks(self) -> None:
-        _lock(self._p)
+        _lock_gil(self._p)
         self._p.stats.peak_in_use_bytes.store(self._p.stats.in_use_bytes.load())
         self._p.stats.peak_reserved_bytes.store(self._p.stats.reserved_bytes.load())
         _unlock(self._p)
@@ -758,7 +1073,7 @@ cdef class CachingPool:
     def largest_free_block(self) -> int:
         """Size of the biggest cached free block (0 if none); shows fragmentation."""
         cdef size_t best
-        _lock(self._p)
+        _lock_gil(self._p)
         best = _largest_free(self._p)
         _unlock(self._p)
         return best
@@ -766,141 +1081,85 @@ cdef class CachingPool:
     # --- introspection ------------------------------------------------------------------------
     def segments(self) -> list:
         """Every segment with its blocks in address order, as plain dicts (for snapshots)."""
+        cdef gm_pool* p = self._p
         cdef gm_segment* s
         cdef gm_block* b
-        cdef list out = []
-        cdef list blocks
-        _lock(self._p)
-        s = self._p.segments
-        while s != NULL:
-            blocks = []
+        cdef _segrow* segs = NULL
+        cdef _blockrow* blocks = NULL
+        cdef size_t nseg = 0, nblk = 0, i, j = 0, k
+        _lock_gil(p)
+        s = p.segments
+        while s != NULL:                  # count, then copy: all in C, under the lock
+            nseg += 1
             b = s.first
             while b != NULL:
-                blocks.append({
-                    "offset": b.offset, "size": b.size, "requested": b.requested,
-                    "state": "allocated" if b.heap_index == -1 else "free",
-                    "stream": b.stream, "id": b.serial,
-                })
+                nblk += 1
                 b = b.next
-            out.append({"handle": s.handle, "base": s.base, "size": s.size,
-                        "pool": "small" if s.is_small else "large", "stream": s.stream,
-                        "blocks": blocks})
             s = s.next
-        _unlock(self._p)
-        out.reverse()                 # oldest first
-        return out
+        segs = <_segrow*>malloc(sizeof(_segrow) * (nseg + 1))
+        blocks = <_blockrow*>malloc(sizeof(_blockrow) * (nblk + 1))
+        if segs != NULL and blocks != NULL:
+            i = 0
+            s = p.segments
+            while s != NULL:
+                segs[i].handle = s.handle
+                segs[i].base = s.base
+                segs[i].size = s.size
+                segs[i].is_small = s.is_small
+                segs[i].stream = s.stream
+                segs[i].first_row = j
+                b = s.first
+                while b != NULL:
+                    blocks[j].offset = b.offset
+                    blocks[j].size = b.size
+                    blocks[j].requested = b.requested
+                    blocks[j].allocated = b.heap_index == -1
+                    blocks[j].stream = b.stream
+                    blocks[j].serial = b.serial
+                    j += 1
+                    b = b.next
+                segs[i].nblocks = j - segs[i].first_row
+                i += 1
+                s = s.next
+        _unlock(p)
+        try:
+            if segs == NULL or blocks == NULL:
+                raise MemoryError("cannot copy the segment table")
+            out = []
+            for i in range(nseg - 1, -1, -1):       # oldest first
+                rows = []
+                for k in range(segs[i].first_row, segs[i].first_row + segs[i].nblocks):
+                    rows.append({
+                        "offset": blocks[k].offset, "size": blocks[k].size,
+                        "requested": blocks[k].requested,
+                        "state": "allocated" if blocks[k].allocated else "free",
+                        "stream": blocks[k].stream, "id": blocks[k].serial,
+                    })
+                out.append({"handle": segs[i].handle, "base": segs[i].base,
+                            "size": segs[i].size, "pool": "small" if segs[i].is_small else "large",
+                            "stream": segs[i].stream, "blocks": rows})
+            return out
+        finally:
+            free(segs)
+            free(blocks)
 
     def check_invariants(self) -> None:
         """Raise AssertionError unless: blocks tile each segment exactly; no two adjacent free
         blocks of the same heap are left unmerged; every free block is in the list of its class
         and every list holds only free blocks; the bitmaps match the lists; and every counter
-        equals a recount."""
-        cdef gm_pool* p = self._p
-        cdef gm_segment* s
-        cdef gm_block* b
-        cdef gm_heap* h
-        cdef size_t reserved = 0, in_use = 0, requested = 0, nseg = 0, live = 0, seg_live
-        cdef size_t list_free_blocks = 0, heap_free_blocks = 0, free_blocks = 0
-        cdef size_t hbytes, hcount, offset, whole_free = 0
-        cdef int i, c
-        cdef bint nonempty
-        cdef gm_stats* st
-        errors = []
-        _lock(p)
-        try:
-            s = p.segments
-            while s != NULL:
-                nseg += 1
-                reserved += s.size
-                offset = 0
-                seg_live = 0
-                b = s.first
-                if b == NULL or b.prev != NULL:
-                    errors.append(f"segment {s.handle:#x}: bad first block")
-                while b != NULL:
-                    if b.segment != s:
-                        errors.append(f"segment {s.handle:#x}: block at {b.offset} points elsewhere")
-                    if b.offset != offset:
-                        errors.append(f"segment {s.handle:#x}: gap or overlap at offset {offset} "
-                                      f"(block starts at {b.offset})")
-                    if b.size == 0 or b.size % p.cfg.granularity:
-                        errors.append(f"segment {s.handle:#x}: block size {b.size} not a positive "
-                                      f"multiple of the granularity")
-                    if b.next != NULL and b.next.prev != b:
-                        errors.append(f"segment {s.handle:#x}: broken prev link at {b.next.offset}")
-                    offset = b.offset + b.size
-                    if b.heap_index == -1:
-                        if b.serial == 0:
-                            errors.append(f"segment {s.handle:#x}: live block without serial")
-                        seg_live += 1
-                        in_use += b.size
-                        requested += b.requested
-                    elif b.heap_index >= 0 and b.heap_index < p.nheaps:
-                        free_blocks += 1
-                        if b.serial != 0:
-                            errors.append(f"free block at {b.offset} keeps a serial")
-                        if p.heaps[b.heap_index].stream != b.stream:
-                            errors.append(f"free block at {b.offset} in the heap of another stream")
-                        if (b.heap_index % 2 == 0) != bool(s.is_small):
-                            errors.append(f"free block at {b.offset} in the wrong pool's heap")
-                        if b.size_class != _class_of(b.size):
-                            errors.append(f"free block at {b.offset} filed under a wrong class")
-                        if b.next != NULL and b.next.heap_index == b.heap_index:
-                            errors.append(f"segment {s.handle:#x}: adjacent free blocks at "
-                                          f"{b.offset} and {b.next.offset} left unmerged")
-                    else:
-                        errors.append(f"block at {b.offset} has a bad heap index {b.heap_index}")
-                    b = b.next
-                if s.first != NULL and s.first.next == NULL and s.first.heap_index >= 0:
-                    whole_free += s.size
-                if offset != s.size:
-                    errors.append(f"segment {s.handle:#x}: blocks cover {offset} of {s.size} bytes")
-                if seg_live != s.live_blocks:
-                    errors.append(f"segment {s.handle:#x}: live_blocks {s.live_blocks} but "
-                                  f"{seg_live} live blocks")
-                live += seg_live
-                s = s.next
-            for i in range(p.nheaps):
-                h = p.heaps[i]
-                hbytes = 0
-                hcount = 0
-                for c in range(GM_NCLASSES):
-                    b = h.heads[c]
-                    nonempty = b != NULL
-                    if nonempty != bool(h.words[c >> 6] & ((<uint64_t>1) << (c & 63))):
-                        errors.append(f"heap {i}: bitmap disagrees with list of class {c}")
-                    if b != NULL and b.free_prev != NULL:
-                        errors.append(f"heap {i}: head of class {c} has a predecessor")
-                    while b != NULL:
-                        if b.heap_index != i or b.size_class != c:
-                            errors.append(f"heap {i}: class {c} lists a block that is not its own")
-                        if b.size < _class_floor(c):
-                            errors.append(f"heap {i}: block of {b.size} below class {c}'s floor")
-                        hbytes += b.size
-                        hcount += 1
-                        b = b.free_next
-                for c in range(GM_NWORDS):
-                    if bool(h.words[c]) != bool(h.top & ((<uint64_t>1) << c)):
-                        errors.append(f"heap {i}: top bitmap disagrees with word {c}")
-                if hbytes != h.free_bytes or hcount != h.free_blocks:
-                    errors.append(f"heap {i}: free_bytes/free_blocks {h.free_bytes}/"
-                                  f"{h.free_blocks} but recount {hbytes}/{hcount}")
-                list_free_blocks += hcount
-            if list_free_blocks != free_blocks:
-                errors.append(f"{free_blocks} free blocks in segments but {list_free_blocks} listed")
-            st = &p.stats
-            for name, counted, value in (
-                    ("reserved_bytes", reserved, st.reserved_bytes.load()),
-                    ("in_use_bytes", in_use, st.in_use_bytes.load()),
-                    ("requested_bytes", requested, st.requested_bytes.load()),
-                    ("active_blocks", live, st.active_blocks.load()),
-                    ("num_segments", nseg, st.num_segments.load()),
-                    ("whole_free_bytes", whole_free, st.whole_free_bytes.load())):
-                if counted != value:
-                    errors.append(f"counter {name} is {value} but a recount gives {counted}")
-            if st.num_allocs.load() - st.num_frees.load() != live:
-                errors.append("num_allocs - num_frees differs from the live block count")
-        finally:
-            _unlock(p)
-        if errors:
+        equals a recount. The walk records findings as C records under the lock; the messages
+        are written after unlocking."""
+        cdef _findings f
+        cdef size_t i
+        f.n = 0
+        f.total = 0
+        _lock_gil(self._p)
+        _walk_invariants(self._p, &f)
+        _unlock(self._p)
+        if f.total:
+            errors = [_FINDINGS[f.items[i].code].format(f.items[i].a, f.items[i].b,
+                                                        f.items[i].c)
+                      for i in range(f.n)]
+            if f.total > f.n:
+                errors.append(f"... and {f.total - f.n} more")
             raise AssertionError("pool invariants broken:\n  " + "\n  ".join(errors))
