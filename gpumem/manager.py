@@ -3,6 +3,11 @@
 The hot path (a cache hit, a free) is `ManagerCore.malloc/free` in Cython. This module holds
 what runs on a miss: the OOM ladder, limits, CPU fallback, pressure responses, and the hooks
 tracking and history recording attach to.
+
+Thread safety (the whole contract: docs/concurrency.md): every public method may be called from
+any thread. ``_slow`` (an RLock, owned by the manager) serialises the miss path, stream
+bookkeeping and close(); the hot path takes only the pool's C lock. Destroyed streams are
+learnt from the device's listener and refused from then on.
 """
 from __future__ import annotations
 

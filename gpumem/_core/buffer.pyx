@@ -6,6 +6,11 @@
 Python-level hot path (argument checks, one gm_alloc/gm_free, one Buffer built without
 `__init__`). Everything rare (a miss, an error, tracking hooks) calls back into Python methods the
 subclass defines: `_malloc_slow`, `_on_alloc`, `_on_free`, `_trim_cache`, `_free_other`.
+
+Thread safety (docs/concurrency.md): the pool lock is taken through the GIL-aware variants
+(`gm_alloc_gil`/`gm_free_gil`). Deferred frees are appended to `_pending` without a lock
+(one list operation under the GIL, safe from `__dealloc__`) and removed only by the one
+collector holding `_collect_lock`.
 """
 cimport cython
 from libc.stdint cimport uint64_t
