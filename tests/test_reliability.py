@@ -1,8 +1,8 @@
 """The bugs an outside stress test found at the edges between the C pool and Python (issue 9).
 
 Level: real (the real Cython pool and manager on gpumem_sim; the destroyed-stream and
-pending-free tests also run on PoCL through ``backend_manager`` where the backend can express
-them). Each test failed on the code before its fix.
+pending-free tests also run on PoCL and the fake CUDA driver through ``backend_manager``).
+Each test failed on the code before its fix, except the two marked as regression guards.
 """
 from __future__ import annotations
 
@@ -66,9 +66,48 @@ def test_concurrent_record_stream_frees_are_all_returned(make_manager, sim_devic
     mm.pool.check_invariants()
 
 
+def test_concurrent_deferred_frees_on_every_backend(backend_manager):
+    """Three threads record_stream + free on each selected backend (PoCL and the fake CUDA
+    driver included) while their own mallocs collect; nothing is lost. A regression guard with
+    real events: here the events complete almost at once, so it passed before the fix too;
+    the race itself is reproduced by the sim test above, where work can be held pending."""
+    mm = backend_manager
+    streams = [mm.device.create_stream() for _ in range(3)]
+    errors: list[BaseException] = []
+
+    def worker(k: int) -> None:
+        try:
+            for i in range(300):
+                buf = mm.malloc(4096 * (1 + i % 4))
+                buf.record_stream(streams[k])
+                buf.free()
+        except BaseException as exc:
+            errors.append(exc)
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=worker, args=(k,)) for k in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    finally:
+        sys.setswitchinterval(old)
+    assert not errors
+    mm.collect_pending_frees(wait=True)
+    st = mm.stats()
+    assert (st.in_use_bytes, st.pending_free_bytes, st.num_allocs, st.num_frees) == (
+        0, 0, 900, 900)
+    mm.pool.check_invariants()
+    for s in streams:
+        mm.device.destroy_stream(s)
+
+
 def test_collect_pending_frees_reentered_from_a_finalizer_returns(manager, sim_device):
     """A finalizer that runs during a collection (GC inside an event query) and collects again
-    must neither deadlock nor lose entries."""
+    must neither deadlock nor lose entries. A regression guard for the one-collector design
+    (the code before it handled this case too)."""
     dev = sim_device.devices[0]
     s = dev.create_stream()
     bufs = [manager.malloc(4096) for _ in range(8)]
