@@ -541,8 +541,11 @@ def test_sim_size_string_opens_a_private_device():
     assert (a.capacity, a.device_string) == (80 * GiB, "sim:80GiB")
     assert (b.capacity, b.device_string) == (3 * GiB // 2, "sim:1.5GiB")
     assert open_device("sim:80GiB") is not a and gpumem_sim.installed() == ()
-    for bad in ("sim:lots", "sim:4parsecs", "sim:-1GiB"):
-        with pytest.raises(InvalidDeviceError, match="sim:"):
+    for bad in ("sim:lots", "sim:-1GiB"):
+        with pytest.raises(InvalidDeviceError, match="after 'sim:' give an index"):
+            open_device(bad)
+    for bad in ("sim:4parsecs", "sim:0GiB"):
+        with pytest.raises(InvalidInputError, match=f"device '{bad}' capacity"):
             open_device(bad)
 
 

@@ -91,11 +91,12 @@ def open_private(spec: str) -> SimDevice:
         raise InvalidDeviceError(f"device 'sim:{spec}': after 'sim:' give an index (sim:0) or a "
                                  f"size (sim:80GiB)")
     canonical = m.group(1) + m.group(2)
+    # a unit that is no unit, or a size out of range: InvalidInputError naming the capacity
+    capacity = parse_size(canonical, what=f"device 'sim:{spec}' capacity")
     try:
-        capacity = parse_size(canonical, what=f"device 'sim:{spec}' capacity")
         return gpumem_sim.PrivateSimDevice(capacity, spec=canonical)
-    except InvalidInputError as exc:      # a device string: say so in the error's type too
-        raise InvalidDeviceError(f"device 'sim:{spec}': {exc}") from None
+    except InvalidInputError as exc:
+        raise InvalidInputError(f"device 'sim:{spec}' capacity: {exc}") from None
 
 
 BACKEND = SimBackend()
