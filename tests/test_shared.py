@@ -54,6 +54,7 @@ def test_one_shared_manager_per_device_in_any_spelling():
     a, b = gpumem_sim.install(SimDevice("256MiB"), SimDevice("256MiB"))
     mm = get_manager("sim:0")
     assert get_manager(" SIM : 0 ") is mm and get_manager("sim") is mm
+    assert get_manager("sim") is mm                   # again, through the fast path
     assert mm.device is a and get_manager("sim:1").device is b
     assert get_manager("sim:1") is not mm
     assert set(shared_managers()) == {"sim:0", "sim:1"}
@@ -134,8 +135,12 @@ def test_default_device_comes_from_the_environment(monkeypatch):
     assert get_manager() is get_manager("sim:1")
     assert MemoryManager(config=EXACT).device is gpumem_sim.installed()[1]
     monkeypatch.setenv(DEVICE_ENV_VAR, "tpu:0")
+    assert get_manager() is get_manager("sim:1")      # the default is resolved once...
+    close_shared_managers()                           # ...until the registry is reset
     with pytest.raises(InvalidDeviceError, match=DEVICE_ENV_VAR):
         get_manager()
+    with pytest.raises(InvalidDeviceError, match=DEVICE_ENV_VAR):
+        MemoryManager()                               # a direct manager reads it every time
 
 
 def test_without_an_accelerator_the_default_is_an_installed_sim_device_only():
@@ -212,6 +217,7 @@ def test_configure_replaces_the_shared_manager_with_knobs():
     assert dev.live_segments == 0                        # the old cache went back to the driver
     fresh = configure("sim:0")                           # no config: MemoryConfig.from_env()
     assert fresh.config == MemoryConfig.from_env() and new.closed
+    assert get_manager("SIM:0") is fresh and get_manager("sim") is fresh   # no stale spelling
 
 
 def test_configure_refuses_while_buffers_are_live_unless_forced():
