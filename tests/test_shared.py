@@ -333,3 +333,29 @@ def test_peers_are_weak_and_closed_ones_are_ignored():
     gc.collect()
     assert peers_of(a) == []
     a.close()
+
+
+def test_peers_release_on_every_backend(backend_name, sim_device):
+    """The peer rung through each backend's own free-memory figure. Level: **real** on sim and
+    PoCL (opencl counts the bytes this process holds), **fake driver** on cuda (cuMemGetInfo of
+    tests/fake_cuda). B may only grow while ``min_free_bytes`` stays free, which holds only once
+    A has given its 64 MiB cache back. cpu is left out: the OS's free memory moves with other
+    processes by more than the margin."""
+    if backend_name == "cpu":
+        pytest.skip("host free memory moves with other processes: no exact margin")
+    if backend_name == "sim":
+        sim_device("1GiB")
+    device = "sim:0" if backend_name == "sim" else f"{backend_name}:0"
+    a = MemoryManager(device, EXACT)
+    try:
+        _cached(a, 64 * MiB)
+        free, _ = a.memory_info()
+        b = MemoryManager(device, EXACT.replace(min_free_bytes=free - 32 * MiB))
+        try:
+            assert a in peers_of(b)
+            with b.malloc(64 * MiB) as buf:            # needs A's cache back at the driver
+                assert buf.nbytes == 64 * MiB and a.pool.reserved_bytes == 0
+        finally:
+            b.close()
+    finally:
+        a.close()
