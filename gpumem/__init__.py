@@ -1,7 +1,7 @@
 """gpumem: a caching GPU memory allocator with a Cython core.
 
 >>> import gpumem
->>> mm = gpumem.MemoryManager("sim:0")     # or gpumem.get_manager(): the default device's shared one
+>>> mm = gpumem.MemoryManager("sim:0")   # gpumem.get_manager(): the default device's shared one
 >>> buf = mm.malloc(1 << 20)
 >>> buf.free()
 """

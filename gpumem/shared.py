@@ -61,7 +61,7 @@ def get_manager(device: str | None = None) -> MemoryManager:
         mgr = _fast.get(device)                   # no lock: one atomic dict read
     except TypeError:                             # unhashable: _key raises the clear error
         mgr = None
-    if mgr is not None and not mgr.closed:
+    if mgr is not None and not mgr._closed:       # the C attribute: no property call
         return mgr
     key = _key(device)
     with _lock:
