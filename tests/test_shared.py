@@ -122,6 +122,8 @@ def test_get_manager_rejects_a_non_string_device(bad):
 def test_get_manager_rejects_unknown_devices():
     with pytest.raises(InvalidDeviceError, match="unknown device"):
         get_manager("tpu:0")
+    with pytest.raises(InvalidDeviceError, match="cpu:1"):
+        get_manager("cpu:1")                             # as MemoryManager("cpu:1") does
     with pytest.raises(InvalidDeviceError, match="sim:3"):
         get_manager("sim:3")
     assert shared_managers() == {}
@@ -359,3 +361,14 @@ def test_peers_release_on_every_backend(backend_name, sim_device):
             b.close()
     finally:
         a.close()
+
+
+def test_canonical_device_strings():
+    """One spelling per device, so get_manager shares one manager across spellings (real)."""
+    from gpumem.backends import canonical_device
+    assert [canonical_device(d) for d in ("cpu", "CPU:0", "sim", " Sim : 2 ", "sim:1.5 GiB",
+                                          "OpenCL:0")] == [
+        "cpu", "cpu", "sim:0", "sim:2", "sim:1.5GiB", "opencl:0"]
+    for bad in ("sim:lots", "cuda:-1", "gpu:0", 3):
+        with pytest.raises(InvalidDeviceError):
+            canonical_device(bad)
