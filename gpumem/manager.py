@@ -13,19 +13,19 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import os
 import threading
 import warnings
-import weakref
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 from gpumem._core.buffer import Buffer, ManagerCore
 from gpumem._core.pool import CachingPool
-from gpumem.backends import Device, open_device
+from gpumem import peers
+from gpumem.backends import Device, default_device, open_device
 from gpumem.config import MemoryConfig
 from gpumem.errors import (ClosedManagerError, DriverError, DriverOutOfMemory,
                            ForeignBufferError, InvalidInputError, OutOfMemoryError)
 from gpumem.fallback import FallbackBuffer
+from gpumem.measure import manager_peaks
 from gpumem.pressure import MemoryPressure, PressureCallback, pressure_level
 from gpumem.stats import MemoryStats
 from gpumem.units import format_bytes
@@ -33,6 +33,7 @@ from gpumem.units import format_bytes
 if TYPE_CHECKING:
     from gpumem.batch import BufferBatch
     from gpumem.history import HistoryRecorder
+    from gpumem.measure import Measurement, PeakWindows
 
 __all__ = ["MemoryManager", "OomCallback"]
 
@@ -45,24 +46,6 @@ FRAGMENTATION_WARNING = 0.30
 #: called as ``callback(manager, requested_bytes)`` when a request cannot be served; it may
 #: free memory, after which the request is retried once.
 OomCallback = Callable[["MemoryManager", int], None]
-
-
-#: Every open MemoryManager of this process, so a forked child can rebuild per-process state
-#: (worker threads and locks do not survive fork). Guarded by _live_lock (adds); the child
-#: reads it alone, as the only thread there.
-_live_managers: "weakref.WeakSet[MemoryManager]" = weakref.WeakSet()
-_live_lock = threading.Lock()
-
-
-def _reinit_after_fork() -> None:
-    global _live_lock
-    _live_lock = threading.Lock()         # may have been held by another parent thread
-    for manager in list(_live_managers):
-        manager._after_fork_in_child()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_reinit_after_fork)
 
 
 def _byte_count(value: Any, what: str) -> int:
@@ -84,7 +67,13 @@ class MemoryManager(ManagerCore):
     1048576
     """
 
-    def __init__(self, device: str | Device = "sim:0", config: MemoryConfig | None = None) -> None:
+    def __init__(self, device: str | Device | None = None,
+                 config: MemoryConfig | None = None) -> None:
+        """``device``: a device string (``"cuda:0"``, ``"opencl:0"``, ``"cpu"``, ``"sim:0"``,
+        ``"sim:80GiB"``) or an opened Device; None: ``gpumem.backends.default_device()`` (a
+        real accelerator, never an uninstalled simulated device)."""
+        if device is None:
+            device = default_device()
         if config is None:
             config = MemoryConfig.from_env()
         elif not isinstance(config, MemoryConfig):
@@ -127,14 +116,14 @@ class MemoryManager(ManagerCore):
         self._unsynced_dead: set[int] = set()
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._frag_warned = False
+        self._peak_windows: PeakWindows | None = None     # made by the first measure()
         self.tracker = None
         if config.track_allocations:
             from gpumem.tracking import AllocationTracker
             self.tracker = AllocationTracker(self, capture_stacks=config.track_stacks)
             self.add_observer(self.tracker)
         dev.add_stream_listener(self._on_stream_destroyed)
-        with _live_lock:
-            _live_managers.add(self)
+        peers.register(self)
 
     # --- properties -----------------------------------------------------------------------
     @property
@@ -201,7 +190,8 @@ class MemoryManager(ManagerCore):
 
     def _malloc_device(self, nbytes: int, stream: int, tag: Any) -> Buffer | None:
         """Ladder: cache -> idle streams' cache -> new segment -> release cache and retry ->
-        OOM callbacks and retry. None when all fail."""
+        other managers on this device release their caches, retry -> OOM callbacks and retry.
+        None when all fail."""
         with self._slow:
             if self._closed:
                 raise ClosedManagerError(f"the manager for {self.device_string} is closed")
@@ -217,6 +207,8 @@ class MemoryManager(ManagerCore):
                 # blocks freed after use on other streams: wait for those streams, then retry
                 buf = self._alloc_cached(nbytes, stream, tag) or self._grow(nbytes, stream, tag)
             if buf is None and self._release_cached(reason="retry after a failed growth"):
+                buf = self._grow(nbytes, stream, tag)
+            if buf is None and peers.release_peer_caches(self):
                 buf = self._grow(nbytes, stream, tag)
             if buf is None and self._oom_callbacks:
                 for callback in list(self._oom_callbacks):
@@ -515,13 +507,19 @@ class MemoryManager(ManagerCore):
         self._trim_cache()
 
     def reset_peak_stats(self) -> None:
-        self.pool.reset_peaks()
+        """Restart the peak counters of ``stats()`` from what is held now."""
+        if self._peak_windows is not None:
+            self._peak_windows.reset()            # open measure() blocks keep their peaks
+        else:
+            self.pool.reset_peaks()
 
     # --- statistics ----------------------------------------------------------------------------------
     def stats(self) -> MemoryStats:
         """Counters of this manager: what it holds now, peaks and totals since creation. After
         close() it holds nothing, and the held figures say 0."""
         c = self.pool.counters(consistent=True)
+        # measure() blocks reset the pool's peak counters: the manager's peaks come from here
+        c["peak_in_use_bytes"], c["peak_reserved_bytes"] = manager_peaks(self, c)
         if self._closed:
             for held in ("reserved_bytes", "in_use_bytes", "requested_bytes", "active_blocks",
                          "num_segments", "largest_free_block"):
@@ -646,6 +644,20 @@ class MemoryManager(ManagerCore):
         return self._executor.submit(self.malloc, int(nbytes), stream=stream, tag=tag)
 
     # --- seeing memory ----------------------------------------------------------------------------
+    def measure(self) -> "Measurement":
+        """``with mm.measure() as m: ...`` then ``m.stats``: what changed inside the block
+        (allocations, frees, hits, misses, bytes) and its peak (see gpumem.measure)."""
+        from gpumem.measure import Measurement
+        self._check_open()
+        return Measurement(self)
+
+    def memory_summary(self, *, top_tags: int = 5) -> str:
+        """A table a person reads at a glance: reserved, in use, cached, peaks, fallback,
+        hits/misses, segments by pool and size class, largest free block, pressure, and the
+        top tags by bytes when tracking is on (see gpumem.summary)."""
+        from gpumem.summary import memory_summary
+        return memory_summary(self, top_tags=top_tags)
+
     def snapshot(self) -> dict:
         """Segments and blocks as a plain, JSON-ready dict (see gpumem.snapshot)."""
         from gpumem.snapshot import take_snapshot
