@@ -42,9 +42,7 @@ def per_pair_ns(fn) -> float:
 
 def the_manager():
     import gpumem
-    if hasattr(gpumem, "get_manager"):
-        return gpumem.get_manager("cuda:0")
-    return gpumem.MemoryManager("cuda:0")
+    return gpumem.get_manager("cuda:0")
 
 
 # --- children ---------------------------------------------------------------------------------

@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 
 import fake_cuda
-import gpumem
 from gpumem.errors import InvalidInputError
 from gpumem.integrations import numba as gm_numba
 from invariants import sim_manager
@@ -67,8 +66,6 @@ def test_numba_arrays_allocate_through_gpumem_on_the_fake_driver(numba_on_fake):
 def test_numba_cuda_memory_manager_environment_variable(numba_on_fake):
     """NUMBA_CUDA_MEMORY_MANAGER=gpumem.integrations.numba: Numba imports the plugin itself and
     allocates from gpumem.get_manager("cuda:0")."""
-    if not hasattr(gpumem, "get_manager"):
-        pytest.skip("gpumem.get_manager (shared managers) is not on this branch yet")
     env, cmd = numba_on_fake
     env["NUMBA_CUDA_MEMORY_MANAGER"] = "gpumem.integrations.numba"
     out = run(cmd, env)

@@ -14,7 +14,6 @@ import shutil
 import subprocess
 import textwrap
 import threading
-from pathlib import Path
 
 import pytest
 
@@ -314,3 +313,29 @@ def test_hits_run_while_another_thread_holds_the_gil(make_bound, lib, tmp_path):
     assert result and result[0] > 0, result
     assert mm.stats().in_use_bytes == 0
     check(mm)
+
+
+def test_an_unbound_device_uses_the_shared_manager(torch_backend, lib):
+    """manager=None: torch device 0's first request binds gpumem.get_manager("cuda:0"); once
+    that shared manager is closed (and torch holds nothing of it), the next request binds its
+    replacement (fake driver only: the index names a CUDA device)."""
+    if torch_backend != "cuda":
+        pytest.skip("torch device indexes name CUDA devices; the fake-driver run covers this")
+    import gpumem
+    backend_device("cuda")
+    native = gm_torch._native()
+    assert native.bound_manager(DEV) is None
+    try:
+        p = lib.gpumem_torch_alloc(MiB, DEV, None)
+        first = gpumem.get_manager("cuda:0")
+        assert p and native.bound_manager(DEV) is first
+        assert first.stats().in_use_bytes >= MiB
+        lib.gpumem_torch_free(p, MiB, DEV, None)
+        first.close()
+        q = lib.gpumem_torch_alloc(MiB, DEV, None)
+        second = gpumem.get_manager("cuda:0")
+        assert q and second is not first and native.bound_manager(DEV) is second
+        lib.gpumem_torch_free(q, MiB, DEV, None)
+    finally:
+        native.unbind(DEV)
+        gpumem.get_manager("cuda:0").close()

@@ -86,6 +86,7 @@ ctypedef struct dev_ctx:
     const int* hooks                     # the manager's _hooks: observers want every request
     PyObject* manager                    # owned reference
     size_t cache_limit                   # max_pool_size, SIZE_MAX when unlimited
+    int shared                           # bound from gpumem.get_manager (manager=None)
     atomic[size_t] live                  # table entries of this device
 
 ctypedef struct entry:
@@ -329,11 +330,14 @@ cdef void _refresh_limits(dev_ctx* c):
 
 
 cdef dev_ctx* _context_for(int device) except NULL:
+    """The device's context; an unbound device, or one whose shared manager was closed (and
+    has nothing left in torch's hands), gets gpumem.get_manager's manager."""
     cdef dev_ctx* c = _devices[device].load(memory_order_acquire)
-    if c == NULL:
+    if c == NULL or (c.shared and c.closed[0] and c.live.load() == 0):
         import gpumem
         bind(gpumem.get_manager(f"cuda:{device}"), device)
         c = _devices[device].load(memory_order_acquire)
+        c.shared = 1
     return c
 
 

@@ -103,6 +103,7 @@ def _build_plugin_class() -> type:
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self._manager: MemoryManager | None = None
+            self._shared = False                     # from gpumem.get_manager: re-resolve if closed
             self._lock = threading.Lock()
             self._live: dict[int, Buffer] = {}       # address -> Buffer handed to Numba
             self._defer_depth = 0
@@ -110,13 +111,18 @@ def _build_plugin_class() -> type:
 
         @property
         def manager(self) -> "MemoryManager":
-            if self._manager is None:
+            mm = self._manager
+            if mm is None or (self._shared and mm.closed):
                 self.initialize()
             return self._manager
 
         def initialize(self) -> None:
-            if self._manager is None:
-                self._manager = manager_for_device(self.context.device.id)
+            mm = self._manager
+            if mm is None or (self._shared and mm.closed):
+                device_id = self.context.device.id
+                with _CHOICE_LOCK:
+                    self._shared = device_id not in _CHOSEN
+                self._manager = manager_for_device(device_id)
 
         def memalloc(self, size: int) -> Any:
             mm = self.manager
