@@ -166,7 +166,9 @@ def test_accelerators_rank_before_a_cpu_opencl_device():
     sim:1 (256 MiB) goes to sim:0, not to the CPU-type OpenCL device with more room."""
     pocl = _pocl_or_skip()
     gpumem_sim.install(SimDevice(GiB), SimDevice(256 * MiB))
-    assert select_backend_for_model(600 * MiB, config=CFG) == ("sim", 0)
+    # devices named: a CUDA device (ci/test.sh's fake-driver run, or a GPU) would rank first
+    assert select_backend_for_model(600 * MiB, config=CFG,
+                                    devices=[pocl, "sim:0", "sim:1"]) == ("sim", 0)
     assert select_backend_for_model(100 * MiB, config=CFG, devices=[pocl, "sim:1"]) == ("sim", 1)
     # host memory is still chosen when no accelerator can hold the model
     assert select_backend_for_model(512 * MiB, config=CFG, devices=[pocl, "sim:1"]) == ("opencl", 0)
