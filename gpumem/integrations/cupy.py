@@ -127,8 +127,9 @@ def pinned_allocator(manager: "MemoryManager | None" = None) -> Callable[[int], 
 class use_gpumem:
     """Route CuPy's device (and, with ``pinned=True``, pinned host) allocations to gpumem.
 
-    A plain call switches for good; as a context manager the previous allocators come back
-    on exit::
+    A plain call switches for good; as a context manager the previous device allocator comes
+    back on exit, and the pinned one becomes CuPy's default pinned pool again (CuPy has no
+    getter for the pinned allocator that was set)::
 
         gm_cupy.use_gpumem()                  # from now on
         with gm_cupy.use_gpumem(mm):          # only inside the block
