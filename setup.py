@@ -59,6 +59,12 @@ DIRECTIVES = {"language_level": "3"}
 core = [Extension(f"gpumem._core.{name}", [f"gpumem/_core/{name}.pyx"], language="c++",
                   extra_compile_args=extra)
         for name in ("pool", "buffer")]
+# The C allocator torch loads with CUDAPluggableAllocator (gpumem.integrations.torch): an
+# ordinary extension whose two `cdef public` functions are exported with C linkage (Cython
+# gives public functions C++ linkage in a C++ module unless CYTHON_EXTERN_C says otherwise).
+core.append(Extension("gpumem.integrations._torch_alloc", ["gpumem/integrations/_torch_alloc.pyx"],
+                      language="c++", extra_compile_args=extra,
+                      define_macros=[("CYTHON_EXTERN_C", 'extern "C"')]))
 
 setup(
     packages=find_packages(include=["gpumem", "gpumem.*", "gpumem_sim", "gpumem_sim.*"]),

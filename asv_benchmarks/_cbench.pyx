@@ -191,3 +191,32 @@ cdef class BlockPool:
 
     def hit_pair_ns(self, sizes, size_t n):
         return hit_pair_ns(self.pool, sizes, n)
+
+
+ctypedef void* (*torch_alloc_fn)(Py_ssize_t, int, void*) noexcept nogil
+ctypedef void (*torch_free_fn)(void*, Py_ssize_t, int, void*) noexcept nogil
+
+
+def entry_pair_ns(size_t alloc_addr, size_t free_addr, Py_ssize_t nbytes, size_t n,
+                  int device=0):
+    """n alloc+free pairs through C entry points with torch's pluggable-allocator signatures
+    (addresses of the functions, e.g. from ctypes), in one nogil loop; ns per pair, or -1 if an
+    alloc returned NULL."""
+    cdef torch_alloc_fn a = <torch_alloc_fn>alloc_addr
+    cdef torch_free_fn f = <torch_free_fn>free_addr
+    cdef long long t0, t1
+    cdef size_t i
+    cdef void* p = NULL
+    if n == 0:
+        raise ValueError("n must be > 0")
+    with nogil:
+        t0 = _now_ns()
+        for i in range(n):
+            p = a(nbytes, device, NULL)
+            if p == NULL:
+                break
+            f(p, nbytes, device, NULL)
+        t1 = _now_ns()
+    if p == NULL:
+        return -1.0
+    return (t1 - t0) / <double>n

@@ -9,6 +9,7 @@
 #   PYTEST_WORKERS=4             pytest-xdist workers (default: 4)
 #   GPUMEM_TEST_BACKENDS=...     backends under test (default: sim,cpu,cuda)
 #   ALLOW_NO_CUDA=1              run anyway when the CUDA backend reports itself unavailable
+#   GPUMEM_FRAMEWORK_EXTRAS="numba cupy torch"   frameworks installed for gpumem.integrations
 #
 # Exit status: non-zero if the tests fail (or CUDA is unavailable without ALLOW_NO_CUDA=1).
 # The benchmark comparison is informative only; its failure is reported, not fatal.
@@ -42,6 +43,17 @@ GPU_MODEL="${GPU_MODEL:-unknown (nvidia-smi unavailable)}"
 log "venv $VENV"
 GPUMEM_VENV="$VENV" source ci/setup_env.sh "cuda,test"
 python -c "import cuda.bindings, sys; print('cuda-bindings', cuda.bindings.__version__)" || true
+# The frameworks gpumem plugs into (gpumem.integrations), each on its own so that one that
+# cannot be installed here only skips its own tests and checks.
+for extra in ${GPUMEM_FRAMEWORK_EXTRAS:-numba cupy torch}; do
+    constraint=()
+    [ -f "$VENV/cuda-constraint.txt" ] && constraint=(-c "$VENV/cuda-constraint.txt")
+    if python -m pip install -q "${constraint[@]}" ".[$extra]" > "$REPORT_DIR/pip-$extra.log" 2>&1; then
+        echo "installed the '$extra' extra"
+    else
+        echo "could not install the '$extra' extra (see $REPORT_DIR/pip-$extra.log): skipped"
+    fi
+done
 
 # --- 3. CUDA backend available? ---------------------------------------------------------------
 log "CUDA backend"
@@ -94,13 +106,17 @@ fi
 log "CUDA call cost: gpumem's Cython module vs cuda.bindings.driver"
 python asv_benchmarks/cuda_calls.py || echo "cuda_calls.py failed (exit $?)"
 
+log "CuPy, Numba, PyTorch through gpumem: real work, hit latency against their own pools"
+frameworks_status="ok"
+python asv_benchmarks/frameworks_gpu.py || frameworks_status="failed (exit $?)"
+
 # --- 6. summary -------------------------------------------------------------------------------
 log "summary"
-python - "$JUNIT" "$GPU_MODEL" "$BACKENDS" "$bench_status" "$test_rc" <<'EOF'
+python - "$JUNIT" "$GPU_MODEL" "$BACKENDS" "$bench_status" "$test_rc" "$frameworks_status" <<'EOF'
 import sys
 import xml.etree.ElementTree as ET
 
-junit, gpu, backends, bench, rc = sys.argv[1:]
+junit, gpu, backends, bench, rc, frameworks = sys.argv[1:]
 counts = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
 try:
     root = ET.parse(junit).getroot()
@@ -120,6 +136,7 @@ rows = [
     ("skipped", counts["skipped"]),
     ("pytest exit", rc),
     ("benchmark compare", bench),
+    ("frameworks", frameworks),
 ]
 width = max(len(k) for k, _ in rows)
 print("+" + "-" * (width + 2) + "+" + "-" * 62 + "+")

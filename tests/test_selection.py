@@ -172,6 +172,7 @@ def test_accelerators_rank_before_a_cpu_opencl_device():
         assert got[0] in ("cuda", "sim")
     else:
         assert got == ("sim", 0)
+    # devices named: a CUDA device (ci/test.sh's fake-driver run, or a GPU) would rank first
     assert select_backend_for_model(600 * MiB, config=CFG,
                                     devices=[pocl, "sim:0", "sim:1"]) == ("sim", 0)
     assert select_backend_for_model(100 * MiB, config=CFG, devices=[pocl, "sim:1"]) == ("sim", 1)

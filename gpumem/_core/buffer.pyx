@@ -316,6 +316,12 @@ cdef class ManagerCore:
     def _mark_closed(self) -> None:
         self._closed = True
 
+    def _flag_addresses(self) -> tuple:
+        """``(address of the closed flag, address of the hooks flag)``, two C ints. C-level
+        clients that allocate without the GIL (the torch allocator) read them to know when a
+        request must go through Python instead; valid while they hold a reference to self."""
+        return <size_t>&self._closed, <size_t>&self._hooks
+
     def malloc(self, nbytes, *, stream=None, tag=None):
         """A Buffer of at least nbytes on this manager's device (stream: int or an object with
         a `handle`), or a FallbackBuffer in host memory when the device is exhausted and CPU

@@ -1022,6 +1022,30 @@ static CUresult event_destroy(CUevent he)
 CUresult CUDAAPI cuEventDestroy(CUevent hEvent) { LOCKED(event_destroy(hEvent)); }
 
 /* ------------------------------------------------------------------------------------------
+ * Numba (numba-cuda through cuda.core and cuda.bindings): what its device, context and memory
+ * layer calls besides the above, for cuda.device_array / to_device / copy_to_host with an EMM
+ * plugin (tests/test_numba_plugin.py). Kernels (cuModuleLoadData, cuLaunchKernel) are not
+ * modelled: there is no code to run them.
+ * ------------------------------------------------------------------------------------------ */
+static CUresult device_get_uuid(CUuuid *uuid, CUdevice dev)
+{
+    CUresult rc = need_device(dev);
+    if (rc != CUDA_SUCCESS)
+        return rc;
+    if (!uuid)
+        return CUDA_ERROR_INVALID_VALUE;
+    memset(uuid->bytes, 0, sizeof uuid->bytes);
+    memcpy(uuid->bytes, "fake-cuda-dev", 13);
+    uuid->bytes[15] = (char)dev;             /* distinct per device, stable across runs */
+    return CUDA_SUCCESS;
+}
+CUresult CUDAAPI cuDeviceGetUuid(CUuuid *uuid, CUdevice dev) { LOCKED(device_get_uuid(uuid, dev)); }
+
+#define FAKE_NUMBA_PROCS(X, OLD)                                            \
+    OLD(cuDeviceGetUuid, 9020)                                              \
+    X(cuDeviceGetUuid, 11040, cuDeviceGetUuid)
+
+/* ------------------------------------------------------------------------------------------
  * cuGetProcAddress
  *
  * X(name, version, function): every ABI version of the implemented entry points that
@@ -1094,6 +1118,7 @@ CUresult CUDAAPI cuEventDestroy(CUevent hEvent) { LOCKED(event_destroy(hEvent));
     OLD(cuEventDestroy, 2000)                                               \
     X(cuEventDestroy, 4000, cuEventDestroy)                                 \
     OLD(cuGetProcAddress, 11030)                                            \
+    FAKE_NUMBA_PROCS(X, OLD)                                                \
     GET_PROC_ADDRESS_ROW(X, OLD)
 
 struct proc_entry {

@@ -1,0 +1,105 @@
+"""PyTorch allocates CUDA memory through gpumem.
+
+>>> from gpumem.integrations import torch as gm_torch
+>>> gm_torch.use_gpumem()                       # before the first CUDA tensor  # doctest: +SKIP
+
+torch loads two C functions from a shared library with
+``torch.cuda.memory.CUDAPluggableAllocator(path, "gpumem_torch_alloc", "gpumem_torch_free")``;
+the library is the extension ``gpumem.integrations._torch_alloc`` (see its docstring for what
+runs without the GIL and what goes through the manager's Python slow path).
+
+``manager=None`` means ``gpumem.get_manager(f"cuda:{device}")``, resolved for each torch device
+on its first request. torch is imported only inside these functions.
+
+Thread safety: :func:`allocator`, :func:`use_gpumem` and :func:`bind` take the GIL and are meant
+for start-up; the allocation entry points are thread-safe (see ``_torch_alloc``).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from gpumem.errors import InvalidInputError
+
+if TYPE_CHECKING:
+    from gpumem.manager import MemoryManager
+
+__all__ = ["ALLOC_SYMBOL", "FREE_SYMBOL", "TorchAllocatorError", "library_path", "bind",
+           "allocator", "use_gpumem", "counters", "live_blocks"]
+
+ALLOC_SYMBOL = "gpumem_torch_alloc"
+FREE_SYMBOL = "gpumem_torch_free"
+
+
+class TorchAllocatorError(RuntimeError):
+    """torch cannot switch to gpumem's allocator (typically: it already allocated with its own)."""
+
+
+def _native():
+    from gpumem.integrations import _torch_alloc
+    return _torch_alloc
+
+
+def library_path() -> str:
+    """The shared library exporting ``gpumem_torch_alloc``/``gpumem_torch_free``, imported
+    (and so linked to gpumem's pool) before anyone dlopen()s it."""
+    return _native().__file__
+
+
+def _cuda_index(manager: "MemoryManager") -> int:
+    backend, _, index = manager.device_string.partition(":")
+    if backend != "cuda":
+        raise InvalidInputError(f"torch tensors live on CUDA devices; manager {manager!r} is on "
+                                f"{manager.device_string!r} (pass device= to bind it anyway)")
+    return int(index)
+
+
+def bind(manager: "MemoryManager", device: int | None = None) -> None:
+    """Serve torch's CUDA device ``device`` (default: the manager's own CUDA index) from
+    ``manager``. Any manager can be bound to an explicit index, which is how the tests drive the
+    entry points on a simulated device."""
+    if device is None:
+        device = _cuda_index(manager)
+    _native().bind(manager, device)
+
+
+def allocator(manager: "MemoryManager | None" = None) -> Any:
+    """A ``torch.cuda.memory.CUDAPluggableAllocator`` that allocates from gpumem; with a
+    manager, torch's device of that manager's index is bound to it first."""
+    if manager is not None:
+        bind(manager)
+    path = library_path()
+    from torch.cuda.memory import CUDAPluggableAllocator
+    return CUDAPluggableAllocator(path, ALLOC_SYMBOL, FREE_SYMBOL)
+
+
+def use_gpumem(manager: "MemoryManager | None" = None) -> Any:
+    """Make gpumem torch's CUDA allocator for this process and return the allocator.
+
+    torch allows this only before its own caching allocator has been initialised, i.e. before
+    the first CUDA tensor (and before anything that initialises CUDA in torch, such as
+    ``torch.cuda.memory_allocated()``). Called later it raises TorchAllocatorError."""
+    alloc = allocator(manager)
+    import torch
+    try:
+        torch.cuda.memory.change_current_allocator(alloc)
+    except RuntimeError as exc:
+        raise TorchAllocatorError(
+            "torch has already initialised its own CUDA caching allocator, and it can be "
+            "replaced only before that: call gpumem.integrations.torch.use_gpumem() at the start "
+            "of the process, before the first CUDA tensor or torch.cuda call. "
+            f"(torch said: {exc})") from exc
+    return alloc
+
+
+def counters() -> dict[str, int]:
+    """What the C entry points did in this process: ``hits`` (served without the GIL),
+    ``through_python`` (misses, first use of a stream, observers on), ``frees``/``python_frees``,
+    ``ooms``, ``fallbacks_refused`` (CPU fallback memory cannot back a CUDA tensor),
+    ``unknown_frees`` (pointers gpumem did not hand out), ``bad_frees``, ``bad_requests``,
+    ``errors``, ``dropped_at_exit``."""
+    return _native().counters()
+
+
+def live_blocks(device: int | None = None) -> int:
+    """Pointers handed to torch and not freed yet (on ``device``, or on every device)."""
+    return _native().live_blocks(device)
