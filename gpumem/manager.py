@@ -723,7 +723,15 @@ class MemoryManager(ManagerCore):
                               RuntimeWarning)
 
     def __del__(self) -> None:
+        # Never block in a destructor: close only if the slow-path lock is free right now
+        # (an unreachable manager's lock is free unless a peer's OOM rung holds it).
         try:
-            self.close()
+            slow = self.__dict__.get("_slow")
+            if slow is None or not slow.acquire(blocking=False):
+                return
+            try:
+                self.close()
+            finally:
+                slow.release()
         except Exception:
             pass  # destructors never raise
