@@ -18,6 +18,7 @@ from gpumem.backends import Device, open_device
 from gpumem.config import MemoryConfig
 from gpumem.errors import (ClosedManagerError, DriverError, DriverOutOfMemory,
                            ForeignBufferError, InvalidInputError, OutOfMemoryError)
+from gpumem.expandable import ExpandableSegments
 from gpumem.fallback import FallbackBuffer
 from gpumem.pressure import MemoryPressure, PressureCallback, pressure_level
 from gpumem.stats import MemoryStats
@@ -99,6 +100,9 @@ class MemoryManager(ManagerCore):
         self._streams: set[int] = {0}
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._frag_warned = False
+        self._expandable: ExpandableSegments | None = None
+        if config.expandable_segments and dev.supports_virtual_memory:
+            self._expandable = ExpandableSegments(self)
         self.tracker = None
         if config.track_allocations:
             from gpumem.tracking import AllocationTracker
@@ -221,6 +225,11 @@ class MemoryManager(ManagerCore):
         """A new segment from the driver, within usable_memory and min_free_bytes."""
         self._check_fragmentation(nbytes)
         rounded = self.pool.round_size(nbytes)
+        if self._expandable is not None and rounded > self.pool.small_size:
+            buf = self._expandable.grow(nbytes, stream, tag)
+            if buf is not None:
+                self._update_pressure()
+            return buf
         seg = self._new_segment((self.pool.segment_size(nbytes), rounded),
                                 small=rounded <= self.pool.small_size)
         if seg is None:
@@ -305,6 +314,9 @@ class MemoryManager(ManagerCore):
         """Return detached segments to the driver; a refused one goes back into the pool."""
         released = 0
         for handle, base, size, is_small, stream in segments:
+            if self._expandable is not None and self._expandable.owns(handle):
+                released += self._expandable.release(handle)
+                continue
             try:
                 self.device.free_segment(handle)
                 released += size
@@ -328,10 +340,15 @@ class MemoryManager(ManagerCore):
             if small is not None:
                 kwargs["small"] = int(small)
             detached = self.pool.release_free_segments(**kwargs)
-            if not detached:
-                return 0
-            self.device.synchronize()             # no pending work may touch what we free
-            released = self._release_segments(detached)
+            released = 0
+            if detached:
+                self.device.synchronize()         # no pending work may touch what we free
+                released = self._release_segments(detached)
+            if self._expandable is not None and small is not True:
+                # free tails of expandable segments go back page by page
+                left = None if max_bytes is None else max(0, max_bytes - released)
+                if left != 0:
+                    released += self._expandable.trim(left)
             if released:
                 log.debug("%s: released %s (%s)", self.device_string, format_bytes(released),
                           reason)
@@ -352,7 +369,7 @@ class MemoryManager(ManagerCore):
         pooled = self.pool.reserved_bytes - self.pool.in_use_bytes
         # whole_free_bytes is a C counter: no search (and no synchronize) on each free when
         # the cached bytes sit in partly used segments and nothing can be released
-        if pooled > limit and self.pool.whole_free_bytes:
+        if pooled > limit and (self.pool.whole_free_bytes or self._expandable is not None):
             self._release_cached(pooled - limit, reason="max_pool_size")
 
     # --- OOM ------------------------------------------------------------------------------------
@@ -372,9 +389,23 @@ class MemoryManager(ManagerCore):
             reason = "device, cache and callbacks exhausted"
             if not self.config.cpu_fallback_enabled:
                 reason += "; CPU fallback is disabled"
+        cached = reserved - in_use
+        largest = self.pool.largest_free_block()
+        if cached:
+            reason += (f"; {1 - largest / cached:.0%} of the cache is fragmented (outside the "
+                       f"largest free block)")
+        if self.device.supports_virtual_memory:
+            on = self._expandable is not None
+            reason += f"; expandable segments {'on' if on else 'off'}"
+            # fragmentation is the cause when the bytes exist but not in one piece: in the
+            # cache, or on the device (whose free memory is not one contiguous range)
+            fragmented = cached >= nbytes > largest or (free is not None and free >= nbytes)
+            if not on and fragmented and nbytes <= self.usable_memory:
+                reason += (" (enough bytes are free but not in one piece: "
+                           "MemoryConfig(expandable_segments=True) lets segments grow in place)")
         err = OutOfMemoryError(nbytes, device=self.device_string, free=free, total=total,
-                               in_use=in_use, cached=reserved - in_use, limit=self.usable_memory,
-                               largest_free_block=self.pool.largest_free_block(), reason=reason)
+                               in_use=in_use, cached=cached, limit=self.usable_memory,
+                               largest_free_block=largest, reason=reason)
         log.warning("%s", err)
         return err
 
@@ -614,6 +645,9 @@ class MemoryManager(ManagerCore):
         except DriverError as exc:
             warnings.warn(f"gpumem: synchronize failed while closing: {exc}", RuntimeWarning)
         for handle in self.pool.live_segment_handles():
+            if self._expandable is not None and self._expandable.owns(handle):
+                self._expandable.release(handle)
+                continue
             try:
                 self.device.free_segment(handle)
             except DriverError as exc:

@@ -10,7 +10,9 @@ checks from Python what a user can see:
 - with ``live=`` (the buffers the test holds): ``active_buffers`` equals the number still alive,
   and each device buffer is a live block of the pool at its own address and size;
 - the device agrees with the pool: on sim the driver's live segments are exactly the pool's
-  (handles, bases, sizes, ``live_bytes == reserved``); on cpu ``bytes_held`` equals reserved; on
+  (handles, bases, sizes, ``live_bytes == reserved``); expandable segments are exactly their
+  mapped pages (pool size == mapped bytes, every page handle mapped, one reservation each);
+  on cpu ``bytes_held`` equals reserved; on
   OpenCL every pool segment is a live segment of the device.
 
 It also holds the plain helpers test modules share (fixtures live in conftest.py):
@@ -131,7 +133,22 @@ def _check_device(manager: Any, segs: list[dict], reserved: int) -> None:
     backend = getattr(dev, "backend", None)
     if manager.closed:
         return
+    expandable = manager._expandable.layout() if manager._expandable is not None else {}
+    for s in segs:
+        if s["handle"] in expandable:
+            # an expandable segment is its mapped prefix: physical bytes = mapped bytes
+            mapped, reservation = expandable[s["handle"]]
+            assert s["size"] == mapped <= reservation, (
+                f"expandable segment {s['handle']:#x}: pool size {s['size']}, mapped {mapped}, "
+                f"reserved {reservation}")
+    assert set(expandable) <= {s["handle"] for s in segs}, "an expandable segment left the pool"
     if backend == "sim":
+        assert dev.mapped_bytes == sum(m for m, _ in expandable.values()), (
+            f"sim maps {dev.mapped_bytes} bytes, the pool's expandable segments span "
+            f"{sum(m for m, _ in expandable.values())}")
+        assert dev.live_mappings == dev.live_page_handles, "a page is created but not mapped"
+        assert dev.live_reservations == len(expandable), "a reservation leaked or is missing"
+        segs = [s for s in segs if s["handle"] not in expandable]
         sim = {s.handle: s for s in dev.segments()}
         pool = {s["handle"]: s for s in segs}
         assert set(sim) == set(pool), (

@@ -1,0 +1,190 @@
+"""Expandable segments: large-pool segments that grow in place by mapping pages at their end.
+
+With ``MemoryConfig(expandable_segments=True)`` on a device with virtual memory (cuda, sim), a
+large-pool miss does not ask the driver for a new segment. Each stream gets one reserved address
+range (as large as the manager's usable memory: address space costs nothing); the pool sees it as
+a segment whose size is the part mapped so far. A miss maps just enough pages (one page handle of
+the device's VM granularity each) to extend the segment's free tail to the request, and the pool
+carves the request from that tail. Requests that a free block in the middle could serve never
+reach here: the pool's best-fit serves them, as for plain segments.
+
+Memory goes back in pages: :meth:`ExpandableSegments.trim` cuts every segment's free tail back to
+a page boundary and unmaps and releases the pages past it (empty_cache, shrink, the cache cap,
+pressure responses and the OOM ladder all come through the manager's ``_release_cached``); a
+segment that is wholly free is released whole (its pages, then its reservation).
+
+Failures roll back completely: when a page cannot be created or mapped, or the pool refuses the
+growth, the pages made for this growth are unmapped and released before the error (or None,
+for the OOM ladder) is returned, so the pool, its counters and the device are as before.
+
+Thread safety: an :class:`ExpandableSegments` belongs to one MemoryManager and every method is
+called with that manager's ``_slow`` lock held (the miss path, release paths and close()); it
+has no lock of its own. The pool's C lock is never held while calling the driver.
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from gpumem.errors import DriverError, DriverOutOfMemory
+
+if TYPE_CHECKING:
+    from gpumem.manager import MemoryManager
+
+__all__ = ["ExpandableSegments"]
+
+
+@dataclass
+class _Segment:
+    address: int                    # the reservation; also the pool's segment handle and base
+    reserved: int                   # bytes of address space
+    stream: int
+    pages: list[int] = field(default_factory=list)   # page i is mapped at address + i * page
+
+
+class ExpandableSegments:
+    """The expandable segments of one manager (see the module docstring)."""
+
+    def __init__(self, manager: MemoryManager) -> None:
+        self._mm = manager
+        self._dev = manager.device
+        self.page = self._dev.vm_granularity()
+        self._segments: dict[int, _Segment] = {}     # handle -> segment
+        self._by_stream: dict[int, int] = {}          # stream -> handle
+        self.driver_calls = 0                          # vm_* calls made (figures, tests)
+
+    # --- queries ---------------------------------------------------------------------------------
+    def owns(self, handle: int) -> bool:
+        return handle in self._segments
+
+    def mapped_bytes(self) -> int:
+        return sum(len(s.pages) for s in self._segments.values()) * self.page
+
+    def layout(self) -> dict[int, tuple[int, int]]:
+        """``{handle: (mapped bytes, reserved bytes)}`` for snapshots and the invariant check."""
+        return {h: (len(s.pages) * self.page, s.reserved) for h, s in self._segments.items()}
+
+    # --- growth ----------------------------------------------------------------------------------
+    def grow(self, nbytes: int, stream: int, tag: Any) -> Any:
+        """A Buffer of ``nbytes`` from this stream's segment grown at its end, or None when the
+        limits or the driver refuse (nothing changed then). Non-OOM driver errors propagate,
+        after the rollback."""
+        mm, pool = self._mm, self._mm.pool
+        rounded = pool.round_size(nbytes)
+        handle = self._by_stream.get(stream)
+        seg = self._segments.get(handle) if handle is not None else None
+        tail = pool.tail_free_bytes(handle, stream) if seg is not None else 0
+        extra = _round_up(max(rounded - tail, 1), self.page)
+        reserved = pool.reserved_bytes
+        free, _ = self._dev.mem_get_info()
+        if not mm._segment_allowed(extra, reserved, free):
+            return None
+        if seg is not None and (len(seg.pages) * self.page + extra > seg.reserved):
+            return None                      # the reservation is full (usable memory reached)
+        new_segment = seg is None
+        if new_segment:
+            size = _round_up(max(mm.usable_memory, extra), self.page)
+            try:
+                address = self._call(self._dev.vm_reserve, size)
+            except DriverOutOfMemory:
+                return None
+            seg = _Segment(address, size, stream)
+        start = len(seg.pages)
+        try:
+            self._map_pages(seg, extra // self.page)
+        except DriverOutOfMemory:
+            self._unmap_pages(seg, start)
+            if new_segment:
+                self._call(self._dev.vm_free, seg.address, seg.reserved)
+            return None
+        except BaseException:
+            self._unmap_pages(seg, start)
+            if new_segment:
+                self._call(self._dev.vm_free, seg.address, seg.reserved)
+            raise
+        try:
+            if new_segment:
+                buf = mm._alloc_in_new_segment(seg.address, seg.address, extra, nbytes, stream,
+                                               tag)
+            else:
+                buf = mm._alloc_in_grown_segment(seg.address, extra, nbytes, stream, tag)
+        except MemoryError:
+            if new_segment:                  # the pool did not adopt the segment
+                self._unmap_pages(seg, start)
+                self._call(self._dev.vm_free, seg.address, seg.reserved)
+            else:                            # adopted as a free tail: the pages stay
+                pass
+            raise
+        if buf is None:
+            self._unmap_pages(seg, start)
+            return None
+        if new_segment:
+            self._segments[seg.address] = seg
+            self._by_stream[stream] = seg.address
+        return buf
+
+    def _call(self, fn: Any, *args: Any) -> Any:
+        self.driver_calls += 1
+        return fn(*args)
+
+    def _map_pages(self, seg: _Segment, count: int) -> None:
+        """Append ``count`` mapped pages; on failure the pages made so far stay in seg.pages
+        (the caller unmaps them) and the page being mapped is released."""
+        for _ in range(count):
+            h = self._call(self._dev.vm_create, self.page)
+            try:
+                self._call(self._dev.vm_map, seg.address + len(seg.pages) * self.page,
+                           self.page, h)
+            except BaseException:
+                self._call(self._dev.vm_release, h)
+                raise
+            seg.pages.append(h)
+
+    def _unmap_pages(self, seg: _Segment, keep: int) -> None:
+        """Unmap and release the pages from index ``keep`` on (the last first)."""
+        while len(seg.pages) > keep:
+            h = seg.pages[-1]
+            self._call(self._dev.vm_unmap, seg.address + (len(seg.pages) - 1) * self.page,
+                       self.page)
+            seg.pages.pop()
+            self._call(self._dev.vm_release, h)
+
+    # --- giving memory back ----------------------------------------------------------------------
+    def trim(self, max_bytes: int | None = None) -> int:
+        """Cut free tails back to page boundaries, unmapping and releasing the pages past them,
+        until ``max_bytes`` are returned (all when None). The bytes returned."""
+        released = 0
+        synced = False
+        for seg in list(self._segments.values()):
+            if max_bytes is not None and released >= max_bytes:
+                break
+            mapped = len(seg.pages) * self.page
+            size = self._mm.pool.trim_segment_tail(seg.address, self.page)
+            if size < mapped:
+                if not synced:
+                    self._dev.synchronize()   # no pending work may touch what is unmapped
+                    synced = True
+                self._unmap_pages(seg, size // self.page)
+                released += mapped - size
+        return released
+
+    def release(self, handle: int) -> int:
+        """A wholly free segment the pool detached: unmap and release its pages, free its
+        reservation. Returns the bytes that were mapped. A driver refusal warns: the pages
+        it kept are lost to this manager (the driver still holds them)."""
+        seg = self._segments.pop(handle)
+        if self._by_stream.get(seg.stream) == handle:
+            del self._by_stream[seg.stream]
+        mapped = len(seg.pages) * self.page
+        try:
+            self._unmap_pages(seg, 0)
+            self._call(self._dev.vm_free, seg.address, seg.reserved)
+        except DriverError as exc:
+            warnings.warn(f"gpumem: {self._dev.device_string} refused to unmap or free an "
+                          f"expandable segment ({exc})", RuntimeWarning)
+        return mapped
+
+
+def _round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
