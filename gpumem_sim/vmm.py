@@ -13,6 +13,8 @@ The model follows the CUDA VMM rules that gpumem's backend protocol keeps (see
   touching unmapped bytes fail (with ``back_memory=True``; without it there are no bytes).
 - Faults (:meth:`VirtualMemory.inject_vm`): fail page creation or mapping after ``n`` more calls
   and/or at a rate, from their own ``random.Random(seed)`` so segment faults stay as they were.
+  Creation fails with ``DriverOutOfMemory``; mapping too, or with a plain ``DriverError`` when
+  the device's ``fail_kind`` is ``"error"``.
 - Counters for leak tests: ``live_page_handles``, ``live_mappings``, ``live_reservations``,
   ``mapped_bytes``, and per-call counts in ``vm_calls``.
 
@@ -107,6 +109,7 @@ class VirtualMemory:
     _other: int
     _live_bytes: int
     _back_memory: bool
+    _fail_kind: str
     _calls: Any
     peak_live_bytes: int
 
@@ -285,8 +288,9 @@ class VirtualMemory:
             injected = self._map_fault.fires()
             if injected is not None:
                 self._vm_log("map", n, handle, "injected_error")
-                exc = DriverError(f"{self.device_string}: injected failure mapping page "
-                                  f"{handle} at {address:#x} ({injected})")
+                cls = DriverError if self._fail_kind == "error" else DriverOutOfMemory
+                exc = cls(f"{self.device_string}: injected failure mapping page "
+                          f"{handle} at {address:#x} ({injected})")
                 exc.injected = True  # type: ignore[attr-defined]
                 raise exc
             bisect.insort(res.starts, off)
