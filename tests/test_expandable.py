@@ -224,3 +224,25 @@ def test_threads_with_expandable_segments():
     assert dev.live_bytes == 0 and _leaks(dev) == (0, 0, 0)
     mm.close()
     gpumem_sim.uninstall()
+
+
+def test_snapshot_text_and_segment_map_show_mapped_and_unmapped_bytes(tmp_path):
+    """A snapshot gives each segment's mapped bytes (its size) and the reserved, unmapped
+    address space after it; the text view names it and the segment map draws it."""
+    from gpumem.snapshot import format_snapshot, take_snapshot
+    dev, mm = sim_manager("1GiB", expandable_segments=True)
+    bufs = [mm.malloc(10 * MiB), mm.malloc(4096)]
+    snap = take_snapshot(mm)
+    by_pool = {s["pool"]: s for s in snap["segments"]}
+    large, small = by_pool["large"], by_pool["small"]
+    assert large["mapped_bytes"] == large["size"] == 10 * MiB == dev.mapped_bytes
+    assert large["unmapped_bytes"] == 1024 * MiB - 10 * MiB      # reservation = usable memory
+    assert small["unmapped_bytes"] == 0 and small["mapped_bytes"] == small["size"]
+    assert "1014.00 MiB more reserved, unmapped" in format_snapshot(snap)
+    pytest.importorskip("matplotlib", reason="plots need matplotlib (extra 'plot')")
+    from gpumem.plot import plot_segments
+    out = plot_segments(snap, tmp_path / "segments.png")
+    assert (tmp_path / "segments.png").stat().st_size > 0 and out.endswith("segments.png")
+    for b in bufs:
+        b.free()
+    mm.close()
