@@ -3,13 +3,14 @@
 With ``MemoryConfig(expandable_segments=True)`` on a device with virtual memory (cuda, sim), a
 large-pool miss does not ask the driver for a new segment. Each stream gets one reserved address
 range (as large as the manager's usable memory: address space costs nothing); the pool sees it as
-a segment whose size is the part mapped so far. A miss maps just enough pages (one page handle of
-the device's VM granularity each) to extend the segment's free tail to the request, and the pool
-carves the request from that tail. Requests that a free block in the middle could serve never
+a segment whose size is the part mapped so far. A miss maps just enough pages (of the device's VM
+granularity; one page handle per chunk of up to ``MAX_CHUNK_PAGES`` pages, so a big growth
+costs two driver calls per chunk, not per page) to extend the segment's free tail to
+the request, and the pool carves the request from that tail. Requests that a free block in the middle could serve never
 reach here: the pool's best-fit serves them, as for plain segments.
 
-Memory goes back in pages: :meth:`ExpandableSegments.trim` cuts every segment's free tail back to
-a page boundary and unmaps and releases the pages past it (empty_cache, shrink, the cache cap,
+Memory goes back in chunks: :meth:`ExpandableSegments.trim` cuts every segment's free tail back
+to a chunk boundary and unmaps and releases the chunks past it (empty_cache, shrink, the cache cap,
 pressure responses and the OOM ladder all come through the manager's ``_release_cached``); a
 segment that is wholly free is released whole (its pages, then its reservation).
 
@@ -32,7 +33,11 @@ from gpumem.errors import DriverError, DriverOutOfMemory
 if TYPE_CHECKING:
     from gpumem.manager import MemoryManager
 
-__all__ = ["ExpandableSegments"]
+__all__ = ["ExpandableSegments", "MAX_CHUNK_PAGES"]
+
+#: A growth maps its pages as handles of at most this many pages: fewer driver calls (gpt2_train:
+#: 3,369 -> 633 with 2 MiB pages) against a coarser trim (a tail goes back in whole chunks).
+MAX_CHUNK_PAGES = 16
 
 
 @dataclass
@@ -40,7 +45,8 @@ class _Segment:
     address: int                    # the reservation; also the pool's segment handle and base
     reserved: int                   # bytes of address space
     stream: int
-    pages: list[int] = field(default_factory=list)   # page i is mapped at address + i * page
+    chunks: list[tuple[int, int]] = field(default_factory=list)   # (page handle, bytes), in
+    mapped: int = 0                                                # address order from 0
 
 
 class ExpandableSegments:
@@ -50,6 +56,7 @@ class ExpandableSegments:
         self._mm = manager
         self._dev = manager.device
         self.page = self._dev.vm_granularity()
+        self.chunk = self.page * MAX_CHUNK_PAGES
         self._segments: dict[int, _Segment] = {}     # handle -> segment
         self._by_stream: dict[int, int] = {}          # stream -> handle
         self.driver_calls = 0                          # vm_* calls made (figures, tests)
@@ -60,11 +67,11 @@ class ExpandableSegments:
         return handle in self._segments
 
     def mapped_bytes(self) -> int:
-        return sum(len(s.pages) for s in self._segments.values()) * self.page
+        return sum(s.mapped for s in self._segments.values())
 
     def layout(self) -> dict[int, tuple[int, int]]:
         """``{handle: (mapped bytes, reserved bytes)}`` for snapshots and the invariant check."""
-        return {h: (len(s.pages) * self.page, s.reserved) for h, s in self._segments.items()}
+        return {h: (s.mapped, s.reserved) for h, s in self._segments.items()}
 
     # --- growth ----------------------------------------------------------------------------------
     def grow(self, nbytes: int, stream: int, tag: Any) -> Any:
@@ -81,7 +88,7 @@ class ExpandableSegments:
         free, _ = self._dev.mem_get_info()
         if not mm._segment_allowed(extra, reserved, free):
             return None
-        if seg is not None and (len(seg.pages) * self.page + extra > seg.reserved):
+        if seg is not None and seg.mapped + extra > seg.reserved:
             return None                      # the reservation is full (usable memory reached)
         new_segment = seg is None
         if new_segment:
@@ -93,16 +100,16 @@ class ExpandableSegments:
             seg = _Segment(address, size, stream)
         if new_segment and extra == 0:
             extra = self.page
-        start = len(seg.pages)
+        start = seg.mapped
         try:
-            self._map_pages(seg, extra // self.page)
+            self._map(seg, extra)
         except DriverOutOfMemory:
-            self._unmap_pages(seg, start)
+            self._unmap_to(seg, start)
             if new_segment:
                 self._call(self._dev.vm_free, seg.address, seg.reserved)
             return None
         except BaseException:
-            self._unmap_pages(seg, start)
+            self._unmap_to(seg, start)
             if new_segment:
                 self._call(self._dev.vm_free, seg.address, seg.reserved)
             raise
@@ -114,13 +121,13 @@ class ExpandableSegments:
                 buf = mm._alloc_in_grown_segment(seg.address, extra, nbytes, stream, tag)
         except MemoryError:
             if new_segment:                  # the pool did not adopt the segment
-                self._unmap_pages(seg, start)
+                self._unmap_to(seg, start)
                 self._call(self._dev.vm_free, seg.address, seg.reserved)
             else:                            # adopted as a free tail: the pages stay
                 pass
             raise
         if buf is None:
-            self._unmap_pages(seg, start)
+            self._unmap_to(seg, start)
             return None
         if new_segment:
             self._segments[seg.address] = seg
@@ -132,51 +139,62 @@ class ExpandableSegments:
         self.driver_calls += 1
         return fn(*args)
 
-    def _map_pages(self, seg: _Segment, count: int) -> None:
-        """Append ``count`` mapped pages; on failure the pages made so far stay in seg.pages
-        (the caller unmaps them) and the page being mapped is released."""
-        for _ in range(count):
-            h = self._call(self._dev.vm_create, self.page)
+    def _map(self, seg: _Segment, nbytes: int) -> None:
+        """Map ``nbytes`` more at the segment's end, in chunks; on failure the chunks mapped so
+        far stay in seg.chunks (the caller unmaps them) and the handle being mapped is
+        released."""
+        while nbytes:
+            n = min(nbytes, self.chunk)
+            h = self._call(self._dev.vm_create, n)
             try:
-                self._call(self._dev.vm_map, seg.address + len(seg.pages) * self.page,
-                           self.page, h)
+                self._call(self._dev.vm_map, seg.address + seg.mapped, n, h)
             except BaseException:
                 self._call(self._dev.vm_release, h)
                 raise
-            seg.pages.append(h)
+            seg.chunks.append((h, n))
+            seg.mapped += n
+            nbytes -= n
 
-    def _unmap_pages(self, seg: _Segment, keep: int) -> None:
-        """Unmap and release the pages from index ``keep`` on (the last first)."""
-        while len(seg.pages) > keep:
-            h = seg.pages[-1]
-            self._call(self._dev.vm_unmap, seg.address + (len(seg.pages) - 1) * self.page,
-                       self.page)
-            seg.pages.pop()
+    def _unmap_to(self, seg: _Segment, keep: int) -> None:
+        """Unmap and release chunks from the end until ``keep`` bytes (a chunk boundary) stay."""
+        while seg.mapped > keep:
+            h, n = seg.chunks[-1]
+            self._call(self._dev.vm_unmap, seg.address + seg.mapped - n, n)
+            seg.chunks.pop()
+            seg.mapped -= n
             self._call(self._dev.vm_release, h)
+
+    def _cut(self, seg: _Segment) -> int:
+        """The smallest chunk boundary past which the segment is free (its size if none)."""
+        start = self._mm.pool.free_tail_offset(seg.address)
+        end = seg.mapped
+        for _, n in reversed(seg.chunks):
+            if end - n < start or end - n == 0:
+                break
+            end -= n
+        return end
 
     # --- giving memory back ----------------------------------------------------------------------
     def trimmable(self) -> int:
         """Bytes :meth:`trim` would return now (no change, no driver call)."""
-        pool = self._mm.pool
-        return sum(len(s.pages) * self.page - pool.trim_segment_tail(s.address, self.page, True)
-                   for s in self._segments.values())
+        return sum(s.mapped - self._cut(s) for s in self._segments.values())
 
     def trim(self, max_bytes: int | None = None) -> int:
-        """Cut free tails back to page boundaries, unmapping and releasing the pages past them,
-        until ``max_bytes`` are returned (all when None). The bytes returned."""
+        """Cut free tails back to chunk boundaries, unmapping and releasing the chunks past
+        them, until ``max_bytes`` are returned (all when None). The bytes returned."""
         released = 0
         synced = False
         for seg in list(self._segments.values()):
             if max_bytes is not None and released >= max_bytes:
                 break
-            mapped = len(seg.pages) * self.page
-            size = self._mm.pool.trim_segment_tail(seg.address, self.page)
-            if size < mapped:
-                if not synced:
-                    self._dev.synchronize()   # no pending work may touch what is unmapped
-                    synced = True
-                self._unmap_pages(seg, size // self.page)
-                released += mapped - size
+            cut = self._cut(seg)
+            if cut == seg.mapped or self._mm.pool.trim_segment_tail(seg.address, cut) != cut:
+                continue                      # nothing free past a boundary, or a hit took it
+            if not synced:
+                self._dev.synchronize()       # no pending work may touch what is unmapped
+                synced = True
+            released += seg.mapped - cut
+            self._unmap_to(seg, cut)
         return released
 
     def release(self, handle: int) -> int:
@@ -187,9 +205,9 @@ class ExpandableSegments:
         self.segment_events += 1
         if self._by_stream.get(seg.stream) == handle:
             del self._by_stream[seg.stream]
-        mapped = len(seg.pages) * self.page
+        mapped = seg.mapped
         try:
-            self._unmap_pages(seg, 0)
+            self._unmap_to(seg, 0)
             self._call(self._dev.vm_free, seg.address, seg.reserved)
         except DriverError as exc:
             warnings.warn(f"gpumem: {self._dev.device_string} refused to unmap or free an "

@@ -131,3 +131,29 @@ def test_close_returns_whatever_is_left(fake):  # noqa: F811
     assert _vmm(fake) != before
     d.close()
     assert _vmm(fake) == before
+
+
+def test_manager_with_expandable_segments_on_the_fake_driver(fake):  # noqa: F811
+    """The pool's expandable segments through the real cuda-python: one reservation grows,
+    bytes written to blocks read back, empty_cache returns the free tail, close() leaves no
+    handle, mapping or reservation behind."""
+    from gpumem import MemoryConfig, MemoryManager
+    from invariants import check
+    before = _vmm(fake)
+    mm = MemoryManager("cuda:0", MemoryConfig(cpu_fallback_enabled=False, min_free_bytes=0,
+                                              expandable_segments=True))
+    try:
+        assert mm._expandable is not None
+        a = mm.malloc(30 * MiB)
+        b = mm.malloc(50 * MiB)
+        a.copy_from_host(b"abc" * 1000)
+        assert bytes(a.copy_to_host()[:3000]) == b"abc" * 1000
+        assert fake.fake_cuda_live_vmm_reservations() == before[2] + 1
+        b.free()
+        assert mm.empty_cache() > 0
+        assert mm.pool.reserved_bytes == mm._expandable.mapped_bytes() < 80 * MiB
+        check(mm, [a])
+        a.free()
+    finally:
+        mm.close()
+    assert _vmm(fake) == before

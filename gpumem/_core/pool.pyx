@@ -711,38 +711,53 @@ cdef class CachingPool:
         _unlock(p)
         return 0
 
-    def trim_segment_tail(self, uint64_t handle, size_t page, bint dry_run=False) -> int:
-        """Cut segment `handle`'s free tail back to the first `page` boundary at or after the
-        tail's start, keeping at least one page (a wholly free segment is released whole
-        instead). Returns the segment's new size (its old size when nothing could go); the
-        caller unmaps the pages past it. With dry_run, only say what the size would be."""
+    def free_tail_offset(self, uint64_t handle) -> int:
+        """Offset where segment `handle`'s free tail begins (its size when the last block is
+        live): the bytes from there on could be given back."""
         cdef gm_pool* p = self._p
         cdef gm_segment* seg
         cdef gm_block* last
-        cdef size_t cut, size = 0
+        cdef size_t out = 0
+        _lock(p)
+        seg = _find_segment(p, handle)
+        if seg != NULL:
+            last = _last_block(seg)
+            out = last.offset if last.heap_index >= 0 else seg.size
+        _unlock(p)
+        if seg == NULL:
+            raise KeyError(handle)
+        return out
+
+    def trim_segment_tail(self, uint64_t handle, size_t new_size) -> int:
+        """Shrink segment `handle` to `new_size` bytes when everything past it is one free
+        block (checked under the lock: a hit may have taken the tail meanwhile) and at least
+        one byte stays (a wholly free segment is released whole instead). Returns the
+        segment's size afterwards; the caller unmaps what lies past it."""
+        cdef gm_pool* p = self._p
+        cdef gm_segment* seg
+        cdef gm_block* last
+        cdef size_t size = 0
         cdef int hi
-        if page == 0 or page % p.cfg.granularity:
-            raise ValueError(f"page {page} is not a positive multiple of the granularity")
+        if new_size % p.cfg.granularity:
+            raise ValueError(f"{new_size} is not a multiple of the granularity")
         _lock(p)
         seg = _find_segment(p, handle)
         if seg != NULL:
             size = seg.size
             last = _last_block(seg)
-            cut = _round_up(last.offset, page)
-            if last.heap_index >= 0 and cut > 0 and cut < seg.size and dry_run:
-                size = cut
-            elif last.heap_index >= 0 and cut > 0 and cut < seg.size:
+            if (last.heap_index >= 0 and 0 < new_size < seg.size and last.offset <= new_size
+                    and last.offset > 0):
                 hi = last.heap_index
                 _heap_remove(p.heaps[hi], last)
-                if cut == last.offset:
+                if new_size == last.offset:
                     last.prev.next = NULL
                     _drop_block(p, last)
                 else:
-                    last.size = cut - last.offset
+                    last.size = new_size - last.offset
                     _heap_insert(p.heaps[hi], last, hi)
-                gm_sub(p.stats.reserved_bytes, seg.size - cut)
-                seg.size = cut
-                size = cut
+                gm_sub(p.stats.reserved_bytes, seg.size - new_size)
+                seg.size = new_size
+                size = new_size
         _unlock(p)
         if seg == NULL:
             raise KeyError(handle)
