@@ -5,6 +5,7 @@ reserved bytes, which with expandable segments are exactly the mapped pages) ove
 requested bytes, events/s (median of ``--repeat`` replays) and driver calls.
 
     python asv_benchmarks/expandable_figures.py [--repeat 3] [--configs default,constrained]
+    python asv_benchmarks/expandable_figures.py --hit-pair   # malloc+free cache hits, off vs on
 """
 from __future__ import annotations
 
@@ -25,11 +26,42 @@ def trace_paths() -> list[Path]:
     return sorted(root.glob("*.csv.gz"))
 
 
+def hit_pairs(reps: int = 200_000) -> None:
+    """Median ns of a malloc + free cache hit, off vs on, on two sim managers in this process."""
+    import time
+
+    import gpumem_sim
+    from gpumem import MemoryConfig, MemoryManager
+
+    managers = {on: MemoryManager(gpumem_sim.SimDevice("16GiB"), MemoryConfig(
+        expandable_segments=on, cpu_fallback_enabled=False, min_free_bytes=0))
+        for on in (False, True)}
+    for n in (4096, 4 << 20, 64 << 20):
+        ns = {}
+        for on, mm in managers.items():
+            mm.malloc(n).free()                      # warm: the block is cached
+            runs = []
+            for _ in range(7):
+                t = time.perf_counter_ns()
+                for _ in range(reps):
+                    mm.malloc(n).free()
+                runs.append((time.perf_counter_ns() - t) / reps)
+            ns[on] = statistics.median(runs)
+        print(f"hit pair {n:>9} B: off {ns[False]:.0f} ns, on {ns[True]:.0f} ns, "
+              f"on/off {ns[True] / ns[False]:.2f}")
+    for mm in managers.values():
+        mm.close()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--configs", default="default,constrained,inference")
+    ap.add_argument("--hit-pair", action="store_true", help="time cache hits instead")
     args = ap.parse_args(argv)
+    if args.hit_pair:
+        hit_pairs()
+        return 0
     paths = trace_paths()
     if not paths:
         print("no traces found (set GPUMEM_TRACES)", file=sys.stderr)
