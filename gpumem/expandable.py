@@ -179,16 +179,17 @@ class ExpandableSegments:
         """Bytes :meth:`trim` would return now (no change, no driver call)."""
         return sum(s.mapped - self._cut(s) for s in self._segments.values())
 
-    def trim(self, max_bytes: int | None = None) -> int:
+    def trim(self, max_bytes: int | None = None, *, floor: dict[int, int] | None = None) -> int:
         """Cut free tails back to chunk boundaries, unmapping and releasing the chunks past
-        them, until ``max_bytes`` are returned (all when None). The bytes returned."""
+        them, until ``max_bytes`` are returned (all when None); with ``floor`` (handle -> bytes,
+        a chunk boundary) no segment is cut below it. The bytes returned."""
         released = 0
         synced = False
         for seg in list(self._segments.values()):
             if max_bytes is not None and released >= max_bytes:
                 break
-            cut = self._cut(seg)
-            if cut == seg.mapped or self._mm.pool.trim_segment_tail(seg.address, cut) != cut:
+            cut = max(self._cut(seg), (floor or {}).get(seg.address, 0))
+            if cut >= seg.mapped or self._mm.pool.trim_segment_tail(seg.address, cut) != cut:
                 continue                      # nothing free past a boundary, or a hit took it
             if not synced:
                 self._dev.synchronize()       # no pending work may touch what is unmapped

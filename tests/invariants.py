@@ -35,7 +35,7 @@ import gpumem_sim
 from gpumem import FallbackBuffer, MemoryConfig, MemoryManager
 from gpumem.backends import get_backend
 
-__all__ = ["check", "live_ranges", "stats_without", "snapshot_state",
+__all__ = ["check", "live_ranges", "stats_without", "snapshot_state", "TEST_EXPANDABLE",
            "ALL_BACKENDS", "selected_backends", "require_backend", "device_string",
            "backend_device", "EXACT", "QUIET", "sim_manager"]
 
@@ -78,10 +78,14 @@ def backend_device(name: str, capacity: int | str = "4GiB", **sim_options: Any) 
     return device_string(name)
 
 
+#: GPUMEM_TEST_EXPANDABLE_SEGMENTS=1 turns expandable segments on in the shared base configs
+#: (EXACT, QUIET, conftest's PERMISSIVE), to run the suite with the option on.
+TEST_EXPANDABLE = os.environ.get("GPUMEM_TEST_EXPANDABLE_SEGMENTS", "") == "1"
+
 #: Usable memory is exactly the device's capacity (no fraction, no reserve, no min free), and an
 #: out-of-memory is an error a test sees (no CPU fallback).
 EXACT = dict(min_free_bytes=0, gpu_memory_fraction=1.0, reserve_bytes=0,
-             cpu_fallback_enabled=False)
+             cpu_fallback_enabled=False, expandable_segments=TEST_EXPANDABLE)
 #: ``EXACT`` with the automatic responses off: the driver is asked only what the test causes.
 QUIET = dict(EXACT, release_before_grow=False, auto_release_at_high=False,
              auto_cleanup_at_critical=False)

@@ -247,3 +247,16 @@ def test_snapshot_text_and_segment_map_show_mapped_and_unmapped_bytes(tmp_path):
     for b in bufs:
         b.free()
     mm.close()
+
+
+def test_failed_batch_gives_back_the_pages_it_mapped():
+    """allocate_batch undoes a failure completely with expandable segments too: the chunks
+    its one-by-one requests mapped are unmapped again, the segment's earlier size kept."""
+    dev, mm = sim_manager("256MiB", expandable_segments=True)
+    keep = mm.malloc(40 * MiB)
+    before = (mm.pool.reserved_bytes, dev.mapped_bytes, _leaks(dev))
+    with pytest.raises(OutOfMemoryError):
+        mm.allocate_batch([100 * MiB, 100 * MiB, 100 * MiB])     # the third cannot fit
+    assert (mm.pool.reserved_bytes, dev.mapped_bytes, _leaks(dev)) == before
+    check(mm, [keep])
+    mm.close()
