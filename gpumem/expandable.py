@@ -18,9 +18,11 @@ Failures roll back completely: when a page cannot be created or mapped, or the p
 growth, the pages made for this growth are unmapped and released before the error (or None,
 for the OOM ladder) is returned, so the pool, its counters and the device are as before.
 
-Thread safety: an :class:`ExpandableSegments` belongs to one MemoryManager and every method is
-called with that manager's ``_slow`` lock held (the miss path, release paths and close()); it
-has no lock of its own. The pool's C lock is never held while calling the driver.
+Thread safety: an :class:`ExpandableSegments` belongs to one MemoryManager and its state is
+guarded by that manager's ``_slow`` lock (an RLock): growth, trims and releases run with it held
+(the miss path, the release paths, close()), and the queries (:meth:`layout`,
+:meth:`mapped_bytes`, :meth:`trimmable`, which snapshots and a ``free()`` above the cache cap
+call from any thread) take it. The pool's C lock is never held while calling the driver.
 """
 from __future__ import annotations
 
@@ -67,11 +69,13 @@ class ExpandableSegments:
         return handle in self._segments
 
     def mapped_bytes(self) -> int:
-        return sum(s.mapped for s in self._segments.values())
+        with self._mm._slow:
+            return sum(s.mapped for s in self._segments.values())
 
     def layout(self) -> dict[int, tuple[int, int]]:
         """``{handle: (mapped bytes, reserved bytes)}`` for snapshots and the invariant check."""
-        return {h: (s.mapped, s.reserved) for h, s in self._segments.items()}
+        with self._mm._slow:
+            return {h: (s.mapped, s.reserved) for h, s in self._segments.items()}
 
     # --- growth ----------------------------------------------------------------------------------
     def grow(self, nbytes: int, stream: int, tag: Any) -> Any:
@@ -177,7 +181,8 @@ class ExpandableSegments:
     # --- giving memory back ----------------------------------------------------------------------
     def trimmable(self) -> int:
         """Bytes :meth:`trim` would return now (no change, no driver call)."""
-        return sum(s.mapped - self._cut(s) for s in self._segments.values())
+        with self._mm._slow:
+            return sum(s.mapped - self._cut(s) for s in self._segments.values())
 
     def trim(self, max_bytes: int | None = None, *, floor: dict[int, int] | None = None) -> int:
         """Cut free tails back to chunk boundaries, unmapping and releasing the chunks past

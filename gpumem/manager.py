@@ -310,9 +310,12 @@ class MemoryManager(ManagerCore):
             level = logging.DEBUG if self._frag_warned else logging.WARNING
             self._frag_warned = True
             log.log(level, "%s: fragmentation %.0f%%: %s cached but the largest free block is "
-                    "%s, so a %s request needs a new segment (MemoryConfig.max_split_size or "
-                    "empty_cache() can help)", self.device_string, 100 * frag,
-                    format_bytes(pooled), format_bytes(largest), format_bytes(nbytes))
+                    "%s, so a %s request needs a new segment (%s can help)",
+                    self.device_string, 100 * frag, format_bytes(pooled),
+                    format_bytes(largest), format_bytes(nbytes),
+                    "MemoryConfig(expandable_segments=True)"
+                    if self._expandable is None and self.device.supports_virtual_memory
+                    else "MemoryConfig.max_split_size or empty_cache()")
         elif frag < FRAGMENTATION_WARNING / 2:
             self._frag_warned = False
 

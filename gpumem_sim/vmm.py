@@ -144,11 +144,6 @@ class VirtualMemory:
     def live_reservations(self) -> int:
         return len(self._reservations)
 
-    @property
-    def page_bytes(self) -> int:
-        """Device memory held by live page handles (mapped or not)."""
-        return sum(p.nbytes for p in self._pages.values())
-
     def inject_vm(self, *, create_after: int | None | Any = ..., create_rate: float | Any = ...,
                   map_after: int | None | Any = ..., map_rate: float | Any = ...) -> None:
         """Arm faults of :meth:`vm_create` / :meth:`vm_map`: ``*_after=n`` lets the next ``n``
