@@ -180,9 +180,15 @@ class ExpandableSegments:
 
     # --- giving memory back ----------------------------------------------------------------------
     def trimmable(self) -> int:
-        """Bytes :meth:`trim` would return now (no change, no driver call)."""
-        with self._mm._slow:
+        """Bytes :meth:`trim` would return now (no change, no driver call). Never waits: it
+        runs on free() (even from a Buffer's destructor), so while another thread holds the
+        manager's lock it answers 0 and a later free() enforces the cap."""
+        if not self._mm._slow.acquire(blocking=False):
+            return 0
+        try:
             return sum(s.mapped - self._cut(s) for s in self._segments.values())
+        finally:
+            self._mm._slow.release()
 
     def trim(self, max_bytes: int | None = None, *, floor: dict[int, int] | None = None) -> int:
         """Cut free tails back to chunk boundaries, unmapping and releasing the chunks past
