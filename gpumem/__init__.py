@@ -14,7 +14,7 @@ from gpumem.config import MemoryConfig
 from gpumem.errors import (BackendUnavailableError, ClosedManagerError, DoubleFreeError,
                            DriverError, DriverOutOfMemory, ForeignBufferError, GpuMemoryError,
                            InvalidDeviceError, InvalidInputError, OutOfMemoryError,
-                           TraceFormatError)
+                           TraceFormatError, UnsupportedOperationError)
 from gpumem.batch import BufferBatch, allocate_batch, warmup
 from gpumem.estimate import (MODEL_PRESETS, MemoryEstimate, estimate_inference_memory,
                              estimate_model)
@@ -41,7 +41,7 @@ __all__ = [
     "select_backend_for_model", "devices", "default_device", "format_bytes", "parse_size",
     "GpuMemoryError", "OutOfMemoryError", "InvalidInputError", "InvalidDeviceError",
     "DoubleFreeError", "ForeignBufferError", "ClosedManagerError", "BackendUnavailableError",
-    "DriverError", "DriverOutOfMemory", "TraceFormatError",
+    "DriverError", "DriverOutOfMemory", "TraceFormatError", "UnsupportedOperationError",
 ]
 
 # --- seeing memory: loaded on first use, so "import gpumem" stays light (no csv, gzip, plots)

@@ -178,10 +178,13 @@ def _allocate(manager: "MemoryManager", sizes: Iterable[int], stream: Any, tag: 
         manager._check_open()
         manager._ensure_stream(s)
         before = set(manager.pool.live_segment_handles())
+        expandable = manager._expandable
+        mapped_before = ({h: m for h, (m, _) in expandable.layout().items()}
+                         if expandable is not None else None)
         try:
             _fill(manager, nbytes, s, tag, out, device_only)
         except BaseException:
-            _undo(manager, out, before)
+            _undo(manager, out, before, mapped_before)
             raise
         manager._update_pressure()
     return out
@@ -279,8 +282,11 @@ def _carve_group(manager: "MemoryManager", nbytes: list[int], group: list[int], 
     return left
 
 
-def _undo(manager: "MemoryManager", out: list[Any], before: set[int]) -> None:
-    """Free the buffers of a failed call and return the segments it added (wholly free again)."""
+def _undo(manager: "MemoryManager", out: list[Any], before: set[int],
+          mapped_before: dict[int, int] | None = None) -> None:
+    """Free the buffers of a failed call and return the segments it added (wholly free again)
+    and the pages it mapped at the end of expandable segments (``mapped_before``: their sizes
+    before the call)."""
     for buf in out:
         if buf is not None and buf.alive:
             try:
@@ -288,6 +294,8 @@ def _undo(manager: "MemoryManager", out: list[Any], before: set[int]) -> None:
             except Exception as exc:  # keep undoing the rest
                 warnings.warn(f"gpumem: could not free buffer {buf.id} while undoing a failed "
                               f"batch: {exc}", RuntimeWarning)
+    if mapped_before is not None and manager._expandable is not None:
+        manager._expandable.trim(floor=mapped_before)
     pool = manager.pool
     if not (set(pool.live_segment_handles()) - before):
         return

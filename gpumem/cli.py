@@ -166,6 +166,14 @@ def _progress_for(n_events: int, flag: bool | None) -> bool:
     return n_events >= PROGRESS_MIN_EVENTS and sys.stderr.isatty()
 
 
+def _replay_cfg(args: argparse.Namespace) -> Any:
+    """The --config preset, with expandable segments when --expandable-segments is given."""
+    if not getattr(args, "expandable_segments", False):
+        return args.config
+    from gpumem.replay import replay_config
+    return replay_config(args.config).replace(expandable_segments=True)
+
+
 def cmd_replay(args: argparse.Namespace) -> int:
     from gpumem.replay import replay
     data = _load(args.trace)
@@ -175,7 +183,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
         for p in data.phases:
             _out(f"{p.name:<14} rows {p.first_row:>7}..{p.end_row:<7} ({len(p):,} events)")
         return EXIT_OK
-    res = replay(data, args.device, args.config, phase=args.phase,
+    res = replay(data, args.device, _replay_cfg(args), phase=args.phase,
                  progress=_progress_for(len(data), args.progress),
                  record_series=bool(args.plot), snapshot_at="peak" if args.segments else None,
                  stop_on_oom=False)
@@ -216,7 +224,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
     from gpumem.plot import plot_segments, plot_timeline
     from gpumem.replay import replay
     data = _load(args.trace)
-    res = replay(data, args.device, args.config, phase=args.phase, record_series=True,
+    res = replay(data, args.device, _replay_cfg(args), phase=args.phase, record_series=True,
                  snapshot_at="peak" if args.segments else None,
                  progress=_progress_for(len(data), None))
     _out(f"wrote {plot_timeline(res, args.out, x=args.x)}")
@@ -402,7 +410,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     data = _load(trace)
     _out(f"2. Replay of a real PyTorch allocation trace: {data.name} "
          f"({len(data):,} events, peak live {_fb(data.peak_live_bytes)})")
-    res = replay(data, args.device, args.config, record_series=bool(args.plot),
+    res = replay(data, args.device, _replay_cfg(args), record_series=bool(args.plot),
                  snapshot_at="peak", progress=_progress_for(len(data), None))
     _out("  " + str(res).replace("\n", "\n  "))
     waste = res.peak_reserved_bytes - res.peak_live_bytes
@@ -474,6 +482,8 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("--config", default="default", choices=CONFIG_PRESETS,
                        help="MemoryConfig preset (CPU fallback off, no free margin)")
         s.add_argument("--phase", help="replay one phase of the trace (from its .json sidecar)")
+        s.add_argument("--expandable-segments", action="store_true",
+                       help="grow large-pool segments in place (devices with virtual memory)")
 
     s = sub.add_parser("replay", help="replay an allocation trace through the pool")
     s.add_argument("trace", help="a t_ns,op,id,size CSV (.gz), or 'demo' for the packaged one")

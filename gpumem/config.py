@@ -50,6 +50,9 @@ class MemoryConfig:
     max_pool_size: int | None = None        # cached (free) bytes kept; None: no cap
     release_before_grow: bool = True        # before growing past the reserved high-water mark,
                                             # return idle segments that offset the growth
+    expandable_segments: bool = False       # large pool: one segment per stream that grows in
+                                            # place by mapping pages (needs virtual memory:
+                                            # cuda, sim); elsewhere plain segments are kept
     # pressure: fractions of usable memory where MEDIUM, HIGH, CRITICAL begin
     pressure_thresholds: tuple[float, float, float] = (0.60, 0.80, 0.95)
     auto_release_at_high: bool = True       # at HIGH, trim the cache to high_cache_fraction
@@ -63,7 +66,7 @@ class MemoryConfig:
             raise InvalidInputError(
                 f"gpu_memory_fraction must be a number in (0, 1], got {f!r}")
         for name in ("cpu_fallback_enabled", "track_allocations", "track_stacks",
-                     "release_before_grow",
+                     "release_before_grow", "expandable_segments",
                      "auto_release_at_high", "auto_cleanup_at_critical"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidInputError(f"{name} must be a bool, got {getattr(self, name)!r}")

@@ -13,6 +13,7 @@ __all__ = [
     "DriverError",
     "DriverOutOfMemory",
     "TraceFormatError",
+    "UnsupportedOperationError",
 ]
 
 
@@ -91,6 +92,11 @@ class DriverOutOfMemory(DriverError, MemoryError):
     Backends raise this; the manager turns it into its OOM recovery ladder and, at the end,
     into :class:`OutOfMemoryError`.
     """
+
+
+class UnsupportedOperationError(GpuMemoryError, NotImplementedError):
+    """The backend's driver cannot do what was asked (e.g. virtual-memory mapping on OpenCL);
+    the message names the backend and the call. Callers check the capability flag first."""
 
 
 class TraceFormatError(InvalidInputError):

@@ -24,6 +24,7 @@ from gpumem.backends import Device, default_device, open_device
 from gpumem.config import MemoryConfig
 from gpumem.errors import (ClosedManagerError, DriverError, DriverOutOfMemory,
                            ForeignBufferError, InvalidInputError, OutOfMemoryError)
+from gpumem.expandable import ExpandableSegments
 from gpumem.fallback import FallbackBuffer
 from gpumem.measure import manager_peaks
 from gpumem.pressure import MemoryPressure, PressureCallback, pressure_level
@@ -42,6 +43,10 @@ log = logging.getLogger("gpumem")
 #: a miss that needs a new segment warns when the cache holds enough free bytes for the request
 #: but more than this share of them (1 - largest free block / cached) lies in smaller pieces
 FRAGMENTATION_WARNING = 0.30
+
+#: with expandable segments, large blocks are split when at least this much would remain
+#: (1 MiB otherwise): on the shared traces it lowers peak reserved/live by up to 0.02
+EXPANDABLE_SPLIT_MIN = 64 << 10
 
 #: called as ``callback(manager, requested_bytes)`` when a request cannot be served; it may
 #: free memory, after which the request is retried once.
@@ -85,12 +90,20 @@ class MemoryManager(ManagerCore):
                 f"device must be a device string such as 'sim:0' or a Device, got {device!r}")
         props = dev.properties()
         free, total = dev.mem_get_info()
+        expandable = config.expandable_segments and dev.supports_virtual_memory
         pool = CachingPool(
             granularity=max(config.granularity, props.alignment),
             small_size=config.small_size, small_segment=config.small_segment,
             large_segment=config.large_segment, large_threshold=config.large_threshold,
-            large_round=config.large_round, max_split_size=config.max_split_size,
-            large_split_min=config.large_split_min, oversize_slack=config.oversize_slack)
+            large_round=config.large_round,
+            # max_split_size keeps big cached segments whole; an expandable segment returns
+            # its surplus page by page instead, and unsplittable holes in it would only grow it
+            max_split_size=None if expandable else config.max_split_size,
+            # in one growing segment a remainder too small to split stays inside the block
+            # for good: split down to EXPANDABLE_SPLIT_MIN (slivers merge back on free)
+            large_split_min=(min(config.large_split_min, EXPANDABLE_SPLIT_MIN) if expandable
+                             else config.large_split_min),
+            oversize_slack=config.oversize_slack)
         self._core_init(pool, dev, dev.device_string)
         self.config = config
         self.total_memory = total
@@ -117,6 +130,7 @@ class MemoryManager(ManagerCore):
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._frag_warned = False
         self._peak_windows: PeakWindows | None = None     # made by the first measure()
+        self._expandable = ExpandableSegments(self) if expandable else None
         self.tracker = None
         if config.track_allocations:
             from gpumem.tracking import AllocationTracker
@@ -285,6 +299,11 @@ class MemoryManager(ManagerCore):
         """A new segment from the driver, within usable_memory and min_free_bytes."""
         self._check_fragmentation(nbytes)
         rounded = self.pool.round_size(nbytes)
+        if self._expandable is not None and rounded > self.pool.small_size:
+            buf = self._expandable.grow(nbytes, stream, tag)
+            if buf is not None:
+                self._update_pressure()
+            return buf
         seg = self._new_segment((self.pool.segment_size(nbytes), rounded),
                                 small=rounded <= self.pool.small_size)
         if seg is None:
@@ -355,9 +374,12 @@ class MemoryManager(ManagerCore):
             level = logging.DEBUG if self._frag_warned else logging.WARNING
             self._frag_warned = True
             log.log(level, "%s: fragmentation %.0f%%: %s cached but the largest free block is "
-                    "%s, so a %s request needs a new segment (MemoryConfig.max_split_size or "
-                    "empty_cache() can help)", self.device_string, 100 * frag,
-                    format_bytes(pooled), format_bytes(largest), format_bytes(nbytes))
+                    "%s, so a %s request needs a new segment (%s can help)",
+                    self.device_string, 100 * frag, format_bytes(pooled),
+                    format_bytes(largest), format_bytes(nbytes),
+                    "MemoryConfig(expandable_segments=True)"
+                    if self._expandable is None and self.device.supports_virtual_memory
+                    else "MemoryConfig.max_split_size or empty_cache()")
         elif frag < FRAGMENTATION_WARNING / 2:
             self._frag_warned = False
 
@@ -369,6 +391,9 @@ class MemoryManager(ManagerCore):
         """Return detached segments to the driver; a refused one goes back into the pool."""
         released = 0
         for handle, base, size, is_small, stream in segments:
+            if self._expandable is not None and self._expandable.owns(handle):
+                released += self._expandable.release(handle)
+                continue
             try:
                 self.device.free_segment(handle)
                 released += size
@@ -392,10 +417,15 @@ class MemoryManager(ManagerCore):
             if small is not None:
                 kwargs["small"] = int(small)
             detached = self.pool.release_free_segments(**kwargs)
-            if not detached:
-                return 0
-            self.device.synchronize()             # no pending work may touch what we free
-            released = self._release_segments(detached)
+            released = 0
+            if detached:
+                self.device.synchronize()         # no pending work may touch what we free
+                released = self._release_segments(detached)
+            if self._expandable is not None and small is not True:
+                # free tails of expandable segments go back page by page
+                left = None if max_bytes is None else max(0, max_bytes - released)
+                if left != 0:
+                    released += self._expandable.trim(left)
             if released:
                 log.debug("%s: released %s (%s)", self.device_string, format_bytes(released),
                           reason)
@@ -416,7 +446,8 @@ class MemoryManager(ManagerCore):
         pooled = self.pool.reserved_bytes - self.pool.in_use_bytes
         # whole_free_bytes is a C counter: no search (and no synchronize) on each free when
         # the cached bytes sit in partly used segments and nothing can be released
-        if pooled > limit and self.pool.whole_free_bytes:
+        if pooled > limit and (self.pool.whole_free_bytes or (
+                self._expandable is not None and self._expandable.trimmable())):
             self._release_cached(pooled - limit, reason="max_pool_size")
 
     # --- OOM ------------------------------------------------------------------------------------
@@ -436,9 +467,23 @@ class MemoryManager(ManagerCore):
             reason = "device, cache and callbacks exhausted"
             if not self.config.cpu_fallback_enabled:
                 reason += "; CPU fallback is disabled"
+        cached = reserved - in_use
+        largest = self.pool.largest_free_block()
+        if cached:
+            reason += (f"; {1 - largest / cached:.0%} of the cache is fragmented (outside the "
+                       f"largest free block)")
+        if self.device.supports_virtual_memory:
+            on = self._expandable is not None
+            reason += f"; expandable segments {'on' if on else 'off'}"
+            # fragmentation is the cause when the bytes exist but not in one piece: in the
+            # cache, or on the device (whose free memory is not one contiguous range)
+            fragmented = cached >= nbytes > largest or (free is not None and free >= nbytes)
+            if not on and fragmented and nbytes <= self.usable_memory:
+                reason += (" (enough bytes are free but not in one piece: "
+                           "MemoryConfig(expandable_segments=True) lets segments grow in place)")
         err = OutOfMemoryError(nbytes, device=self.device_string, free=free, total=total,
-                               in_use=in_use, cached=reserved - in_use, limit=self.usable_memory,
-                               largest_free_block=self.pool.largest_free_block(), reason=reason)
+                               in_use=in_use, cached=cached, limit=self.usable_memory,
+                               largest_free_block=largest, reason=reason)
         log.warning("%s", err)
         return err
 
@@ -716,6 +761,9 @@ class MemoryManager(ManagerCore):
         except Exception as exc:  # close() always goes on to return the segments
             warnings.warn(f"gpumem: synchronize failed while closing: {exc}", RuntimeWarning)
         for handle in self.pool.live_segment_handles():
+            if self._expandable is not None and self._expandable.owns(handle):
+                self._expandable.release(handle)
+                continue
             try:
                 self.device.free_segment(handle)
             except Exception as exc:  # keep returning the others

@@ -198,10 +198,18 @@ def plot_segments(snapshot: dict, path: str | os.PathLike[str], *, title: str | 
                            hatch="////", linewidth=0.0)
         ax.broken_barh([(0, seg["size"] / div)], (y - 0.38, 0.76), facecolors="none",
                        edgecolor="0.4", linewidth=0.6)
+        unmapped = seg.get("unmapped_bytes", 0)
+        if unmapped:
+            # reserved address space, drawn as a stub: it can be far larger than the axis
+            stub = min(unmapped / div, 0.04 * (1.0 if normalize else largest / scale))
+            ax.broken_barh([(seg["size"] / div, stub)], (y - 0.38, 0.76), facecolors="none",
+                           edgecolor="0.6", hatch="..", linewidth=0.4, linestyle=":")
         used = sum(b["size"] for b in seg["blocks"] if b["state"] == "allocated")
         pct = used / size
         pct_s = "<1%" if 0 < pct < 0.01 else f"{pct:.0%}"
-        labels.append((y, f"{format_bytes(seg['size'])} {seg['pool']} ({pct_s} used)"))
+        more = (f", +{format_bytes(seg['unmapped_bytes'])} unmapped"
+                if seg.get("unmapped_bytes") else "")
+        labels.append((y, f"{format_bytes(seg['size'])} {seg['pool']} ({pct_s} used{more})"))
     ax.set_yticks([y for y, _ in labels], [t for _, t in labels], fontsize=8)
     ax.set_ylabel("segments (by address)", fontsize=9)
     ax.set_ylim(-0.7, n - 0.3 if n else 0.5)
@@ -236,6 +244,9 @@ def plot_segments(snapshot: dict, path: str | os.PathLike[str], *, title: str | 
     handles.append(Patch(facecolor="white", edgecolor="#b04040", hatch="////",
                          label="rounding (allocated, not requested)"))
     handles.append(Patch(facecolor=_FREE_COLOR, edgecolor="0.6", label="free (cached)"))
+    if any(sg.get("unmapped_bytes") for sg in segs):
+        handles.append(Patch(facecolor="none", edgecolor="0.6", hatch="..",
+                             label="unmapped (reserved address space, not to scale)"))
     fig.legend(handles=handles, loc="outside lower center", ncol=min(4, len(handles)),
                fontsize=8, frameon=False)
     ax.grid(True, axis="x", alpha=0.3)

@@ -109,6 +109,9 @@ class ReplayResult:
     events_per_second: float
     fragmentation_at_peak: float
     cached_at_peak: int = 0
+    #: driver calls the pool made: segment allocs and frees, and virtual-memory calls
+    #: (reserve, create, map, unmap, release, free) of expandable segments
+    driver_calls: int = 0
     config: dict[str, Any] = field(default_factory=dict, repr=False)
     #: ``{"live": int64[n], "reserved": int64[n], "t_ns": int64[n]}`` after each event, with
     #: ``record_series=True``
@@ -140,7 +143,8 @@ class ReplayResult:
             f"  cache           {self.hits:,} hits, {self.misses:,} misses "
             f"(hit rate {self.hit_rate:.1%})",
             f"  segments        {self.segments_peak} at peak, {self.segments_created} created, "
-            f"{self.segments_released} released",
+            f"{self.segments_released} released; {self.driver_calls:,} driver calls"
+            + (" (expandable segments)" if self.config.get("expandable_segments") else ""),
             f"  at peak live    {fb(self.cached_at_peak)} cached (free in segments), "
             f"fragmentation {self.fragmentation_at_peak:.1%} (1 - largest free block / cached)",
         ]
@@ -363,6 +367,9 @@ def replay(trace: Any, device: str | Device = "sim:80GiB",
                             _device_label(dev), quiet.dropped)
         stats = mm.stats()
         counters = pool.counters()
+        driver_calls = counters["segments_created"] + counters["segments_released"]
+        if mm._expandable is not None:
+            driver_calls += mm._expandable.driver_calls - mm._expandable.segment_events
     finally:
         if bar is not None and bar.bar is not None:
             bar.bar.close()
@@ -386,7 +393,8 @@ def replay(trace: Any, device: str | Device = "sim:80GiB",
         failed_bytes=failed_bytes, skipped_frees=skipped, cpu_fallbacks=stats.cpu_fallbacks,
         duration_s=duration, events_per_second=(n / duration) if duration > 0 else 0.0,
         fragmentation_at_peak=frag_at_peak, cached_at_peak=cached_at_peak,
-        config={"gpu_memory_fraction": cfg.gpu_memory_fraction,
+        driver_calls=driver_calls,
+        config={"expandable_segments": mm._expandable is not None,"gpu_memory_fraction": cfg.gpu_memory_fraction,
                 "cpu_fallback_enabled": cfg.cpu_fallback_enabled,
                 "min_free_bytes": cfg.min_free_bytes, "max_pool_size": cfg.max_pool_size,
                 "max_split_size": cfg.max_split_size},

@@ -12,8 +12,12 @@ Layout (``version`` 1)::
      "stats": {...MemoryStats.as_dict()...},
      "config": {...every MemoryConfig field...},
      "segments": [{"handle", "base", "size", "pool": "small"|"large", "stream",
+                   "mapped_bytes", "unmapped_bytes",
                    "blocks": [{"offset", "size", "requested", "state": "allocated"|"free",
                                "stream", "id", "tag", "pending_free"}]}]}
+
+``mapped_bytes`` is the segment's physical memory (its ``size``); ``unmapped_bytes`` the reserved
+address space after it, where an expandable segment grows (0 for a plain segment).
 
 Blocks tile their segment in address order. ``pending_free`` marks an allocated block whose
 buffer was freed but which waits for other streams (``Buffer.record_stream``). ``tag`` comes from the allocation tracker when
@@ -72,6 +76,8 @@ def take_snapshot(manager: Any) -> dict:
             if meta.location == "device" or manager.device_string == "cpu":
                 tags[meta.id] = meta.tag
     pending = manager.pending_free_ids() if hasattr(manager, "pending_free_ids") else ()
+    expandable = getattr(manager, "_expandable", None)
+    layout = expandable.layout() if expandable is not None else {}
     segments = []
     for seg in manager.pool.segments():
         blocks = []
@@ -85,8 +91,11 @@ def take_snapshot(manager: Any) -> dict:
                 "tag": _json_tag(tags.get(bid)) if allocated else None,
                 "pending_free": allocated and bid in pending,
             })
+        mapped, reserved = layout.get(seg["handle"], (seg["size"], seg["size"]))
         segments.append({"handle": seg["handle"], "base": seg["base"], "size": seg["size"],
-                         "pool": seg["pool"], "stream": seg["stream"], "blocks": blocks})
+                         "pool": seg["pool"], "stream": seg["stream"],
+                         "mapped_bytes": mapped, "unmapped_bytes": reserved - mapped,
+                         "blocks": blocks})
     try:
         props = manager.device.properties()
         device_name = props.name
@@ -231,7 +240,9 @@ def format_snapshot(snapshot: dict, *, max_segments: int = 30, max_blocks: int =
         used = sum(b["size"] for b in seg["blocks"] if b["state"] == "allocated")
         lines.append(f"  seg {k:3d} {seg['pool']:5s} {fb(seg['size']):>11} at {seg['base']:#x} "
                      f"stream {seg['stream']}: {len(seg['blocks'])} block(s), "
-                     f"{used / max(seg['size'], 1):.0%} allocated")
+                     f"{used / max(seg['size'], 1):.0%} allocated"
+                     + (f", {fb(seg['unmapped_bytes'])} more reserved, unmapped"
+                        if seg.get("unmapped_bytes") else ""))
         shown = seg["blocks"][:max_blocks]
         parts = []
         for b in shown:

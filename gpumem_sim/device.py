@@ -31,21 +31,20 @@ Injected exceptions carry ``exc.injected = True``; genuine ones ``exc.injected =
 """
 from __future__ import annotations
 
-import math
 import mmap
-import numbers
-import operator
-import platform
 import random
-import sys
 import threading
 from collections import deque
 from typing import Any, NamedTuple
 
 from gpumem.backends.base import Device, DeviceProperties
 from gpumem.errors import DriverError, DriverOutOfMemory, InvalidInputError
-from gpumem.units import format_bytes, parse_size
+from gpumem.units import format_bytes
+from gpumem_sim._common import (_MMAP_KW, _UNSET, SimCall, _bytes_view, _fail_after_arg,
+                                _fail_free_arg, _fail_kind_arg, _int_arg, _rate_arg,
+                                _reserve_window, _size_arg)
 from gpumem_sim._ranges import RangeAllocator
+from gpumem_sim.vmm import DEFAULT_VM_GRANULARITY, VA_WINDOW_FACTOR, VirtualMemory
 
 __all__ = [
     "SimDevice", "SimCall", "SimSegment",
@@ -65,49 +64,6 @@ MAX_ALIGNMENT = 1 << 30
 #: not grow the log without bound.
 CALL_LOG_LIMIT = 100_000
 
-_UNSET: Any = object()
-
-# --- process-wide address windows ---------------------------------------------------------------
-# Each SimDevice reserves its own window when it is constructed, so no two devices ever share an
-# address (installed or not, replaced or not), and the first device of a process always starts at
-# 0x7f0000000000. Windows are whole TiB and separated by a 1 TiB guard gap.
-_WINDOW_UNIT = 1 << 40
-_FIRST_WINDOW = 0x7F00_0000_0000
-_ADDRESS_LIMIT = 1 << 63
-_window_lock = threading.Lock()
-_next_window = _FIRST_WINDOW
-
-
-def _reserve_window(capacity: int) -> int:
-    global _next_window
-    span = -(-capacity // _WINDOW_UNIT) * _WINDOW_UNIT
-    with _window_lock:
-        if _next_window + span > _ADDRESS_LIMIT:  # after ~8 million devices: wrap around
-            _next_window = _FIRST_WINDOW
-        base = _next_window
-        _next_window += span + _WINDOW_UNIT
-    return base
-
-
-# Anonymous mappings are zero-filled lazily by the OS, so backing a large segment costs host
-# memory only for the pages a test actually writes. MAP_NORESERVE (Linux x86-64/arm64 value)
-# keeps the kernel from refusing a large, mostly untouched mapping.
-_MMAP_KW: dict[str, int] = {}
-if sys.platform.startswith("linux") and platform.machine() in ("x86_64", "aarch64", "AMD64"):
-    _MMAP_KW = {"flags": mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | 0x4000}
-
-
-class SimCall(NamedTuple):
-    """One driver call in :attr:`SimDevice.calls`, so tests can check the order of a recovery
-    ladder. ``op`` is ``"alloc"``, ``"free"`` or ``"synchronize"``; ``nbytes`` is the requested
-    size (alloc) or the segment's size (free); ``outcome`` is ``"ok"``, ``"oom"`` (genuine),
-    ``"injected_oom"``, ``"injected_error"``."""
-
-    op: str
-    nbytes: int
-    handle: int | None
-    outcome: str
-
 
 class SimSegment(NamedTuple):
     """A live segment: ``base`` is its address, ``nbytes`` what was asked for, ``reserved`` the
@@ -117,74 +73,6 @@ class SimSegment(NamedTuple):
     base: int
     nbytes: int
     reserved: int
-
-
-# --- argument validation ------------------------------------------------------------------------
-def _int_arg(value: Any, what: str, *, minimum: int | None = 0) -> int:
-    if isinstance(value, bool) or isinstance(value, str) or not hasattr(type(value), "__index__"):
-        raise InvalidInputError(f"{what} must be an int, got {type(value).__name__} {value!r}")
-    v = operator.index(value)
-    if minimum is not None and v < minimum:
-        raise InvalidInputError(f"{what} must be >= {minimum}, got {v}")
-    return v
-
-
-def _size_arg(value: Any, what: str) -> int:
-    if not isinstance(value, (bool, str, int)) and hasattr(type(value), "__index__"):
-        value = operator.index(value)  # numpy integers
-    return parse_size(value, what=what)
-
-
-def _rate_arg(value: Any, what: str = "fail_rate") -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise InvalidInputError(
-            f"{what} must be a probability (a float in [0, 1]), got {type(value).__name__} {value!r}")
-    v = float(value)
-    if math.isnan(v) or not 0.0 <= v <= 1.0:
-        raise InvalidInputError(f"{what} must be a probability in [0, 1], got {value!r}")
-    return v
-
-
-def _fail_after_arg(value: Any) -> int | None:
-    if value is None:
-        return None
-    return _int_arg(value, "fail_after")
-
-
-def _fail_free_arg(value: Any) -> float:
-    """Number of frees still to fail: ``inf`` for True, ``0`` for False."""
-    if value is True:
-        return math.inf
-    if value is False or value is None:
-        return 0
-    return _int_arg(value, "fail_free (True, False or a number of frees to fail)")
-
-
-def _fail_kind_arg(value: Any) -> str:
-    if value not in ("oom", "error"):
-        raise InvalidInputError(f"fail_kind must be 'oom' or 'error', got {value!r}")
-    return value
-
-
-def _bytes_view(buf: Any, what: str, *, writable: bool) -> memoryview:
-    try:
-        mv = memoryview(buf)
-    except TypeError:
-        raise InvalidInputError(
-            f"{what} must support the buffer protocol (bytes, bytearray, memoryview, numpy "
-            f"array), got {type(buf).__name__}") from None
-    if not mv.c_contiguous:
-        raise InvalidInputError(f"{what} must be C-contiguous")
-    if writable and mv.readonly:
-        raise InvalidInputError(f"{what} is read-only; copy_to_host needs a writable buffer")
-    if mv.format == "B" and mv.ndim == 1:
-        return mv
-    try:
-        return mv.cast("B")
-    except (TypeError, ValueError) as e:
-        raise InvalidInputError(
-            f"{what} cannot be viewed as bytes ({e}); pass a byte view such as "
-            f"arr.view(numpy.uint8)") from None
 
 
 class _Segment:
@@ -199,7 +87,7 @@ class _Segment:
         self.store = store
 
 
-class SimDevice(Device):
+class SimDevice(VirtualMemory, Device):
     """A simulated GPU with ``capacity`` bytes (an int or a string such as ``"16GiB"``).
 
     - Segments are ranges of a private address window starting at :attr:`base_address`; each
@@ -230,7 +118,8 @@ class SimDevice(Device):
     def __init__(self, capacity: int | str, *, alignment: int = 256, name: str | None = None,
                  other_process_bytes: int | str = 0, back_memory: bool = False, seed: int = 0,
                  fail_after: int | None = None, fail_rate: float = 0.0,
-                 fail_free: bool | int = False, fail_kind: str = "oom") -> None:
+                 fail_free: bool | int = False, fail_kind: str = "oom",
+                 vm_granularity: int = DEFAULT_VM_GRANULARITY) -> None:
         cap = _size_arg(capacity, "capacity")
         if cap <= 0:
             raise InvalidInputError(f"capacity must be > 0 bytes, got {cap}")
@@ -250,6 +139,10 @@ class SimDevice(Device):
         if not isinstance(back_memory, bool):
             raise InvalidInputError(f"back_memory must be True or False, got {back_memory!r}")
         seed_v = _int_arg(seed, "seed", minimum=None)
+        vm_gran = _int_arg(vm_granularity, "vm_granularity", minimum=1)
+        if vm_gran & (vm_gran - 1) or vm_gran > MAX_ALIGNMENT:
+            raise InvalidInputError(f"vm_granularity must be a power of two between 1 and "
+                                    f"{MAX_ALIGNMENT}, got {vm_gran}")
 
         self._lock = threading.Lock()
         self.index: int = -1
@@ -287,6 +180,7 @@ class SimDevice(Device):
         self.synchronize_calls = 0
         self.mem_get_info_calls = 0
         self.peak_live_bytes = 0
+        self._vm_init(vm_gran, seed_v, _reserve_window(cap * VA_WINDOW_FACTOR))
 
     # --- read-only configuration --------------------------------------------------------------
     @property
@@ -410,6 +304,7 @@ class SimDevice(Device):
             self._fail_rate = 0.0
             self._fail_free_left = 0
             self._fail_kind = "oom"
+            self._vm_clear_faults()
 
     def set_other_process_bytes(self, nbytes: int | str) -> None:
         """Simulate other processes taking (or releasing) device memory. They can only take
@@ -428,7 +323,8 @@ class SimDevice(Device):
         return DeviceProperties(
             name=self._name, total_memory=self._capacity, alignment=self._alignment,
             extra={"simulated": True, "seed": self._seed, "back_memory": self._back_memory,
-                   "base_address": self._base})
+                   "base_address": self._base,
+                   "vm_granularity": self._vm_gran})
 
     def mem_get_info(self) -> tuple[int, int]:
         with self._lock:
@@ -540,6 +436,9 @@ class SimDevice(Device):
     def resolve(self, handle: int, offset: int, nbytes: int) -> int:
         """The address of ``nbytes`` at ``offset`` in the segment (checked to lie inside it)."""
         with self._lock:
+            res = self._vm_span(handle, offset, nbytes)
+            if res is not None:
+                return res.address + offset
             seg = self._checked(handle, offset, nbytes)
             return self._base + seg.offset + offset
 
@@ -548,6 +447,9 @@ class SimDevice(Device):
         mv = _bytes_view(src, "src", writable=False)
         with self._lock:
             self._stream(stream)
+            res = self._vm_span(handle, offset, mv.nbytes)
+            if res is not None:
+                return self._vm_write(res, offset, mv)
             seg = self._checked(handle, offset, mv.nbytes)
             store = self._store(seg)
             store[offset:offset + mv.nbytes] = mv
@@ -556,6 +458,9 @@ class SimDevice(Device):
         mv = _bytes_view(dst, "dst", writable=True)
         with self._lock:
             self._stream(stream)
+            res = self._vm_span(handle, offset, mv.nbytes)
+            if res is not None:
+                return self._vm_read(res, offset, mv)
             seg = self._checked(handle, offset, mv.nbytes)
             store = self._store(seg)
             mv[:] = store[offset:offset + mv.nbytes]
@@ -566,6 +471,9 @@ class SimDevice(Device):
             raise InvalidInputError(f"value must be a byte (0..255), got {v}")
         with self._lock:
             self._stream(stream)
+            res = self._vm_span(handle, offset, _int_arg(nbytes, "nbytes"))
+            if res is not None:
+                return self._vm_fill(res, offset, v, nbytes)
             seg = self._checked(handle, offset, nbytes)
             store = self._store(seg)
             chunk = 1 << 20

@@ -24,11 +24,13 @@ sys.path.insert(0, os.path.dirname(__file__))   # `import invariants` from any t
 
 import gpumem_sim  # noqa: E402
 from gpumem import MemoryConfig, MemoryManager  # noqa: E402
-from invariants import device_string, require_backend, selected_backends  # noqa: E402
+from invariants import (TEST_EXPANDABLE, device_string, require_backend,  # noqa: E402
+                        selected_backends)
 
-#: A config that uses the whole device and makes out-of-memory visible.
+#: A config that uses the whole device and makes out-of-memory visible (with expandable segments
+#: when GPUMEM_TEST_EXPANDABLE_SEGMENTS=1: see invariants.TEST_EXPANDABLE).
 PERMISSIVE = dict(min_free_bytes=0, gpu_memory_fraction=1.0, cpu_fallback_enabled=False,
-                  track_allocations=False)
+                  track_allocations=False, expandable_segments=TEST_EXPANDABLE)
 
 
 def permissive_config(**changes) -> MemoryConfig:

@@ -10,7 +10,9 @@ checks from Python what a user can see:
 - with ``live=`` (the buffers the test holds): ``active_buffers`` equals the number still alive,
   and each device buffer is a live block of the pool at its own address and size;
 - the device agrees with the pool: on sim the driver's live segments are exactly the pool's
-  (handles, bases, sizes, ``live_bytes == reserved``); on cpu ``bytes_held`` equals reserved; on
+  (handles, bases, sizes, ``live_bytes == reserved``); expandable segments are exactly their
+  mapped pages (pool size == mapped bytes, every page handle mapped, one reservation each);
+  on cpu ``bytes_held`` equals reserved; on
   OpenCL every pool segment is a live segment of the device.
 
 It also holds the plain helpers test modules share (fixtures live in conftest.py):
@@ -33,7 +35,7 @@ import gpumem_sim
 from gpumem import FallbackBuffer, MemoryConfig, MemoryManager
 from gpumem.backends import get_backend
 
-__all__ = ["check", "live_ranges", "stats_without", "snapshot_state",
+__all__ = ["check", "live_ranges", "stats_without", "snapshot_state", "TEST_EXPANDABLE",
            "ALL_BACKENDS", "selected_backends", "require_backend", "device_string",
            "backend_device", "EXACT", "QUIET", "sim_manager"]
 
@@ -76,10 +78,14 @@ def backend_device(name: str, capacity: int | str = "4GiB", **sim_options: Any) 
     return device_string(name)
 
 
+#: GPUMEM_TEST_EXPANDABLE_SEGMENTS=1 turns expandable segments on in the shared base configs
+#: (EXACT, QUIET, conftest's PERMISSIVE), to run the suite with the option on.
+TEST_EXPANDABLE = os.environ.get("GPUMEM_TEST_EXPANDABLE_SEGMENTS", "") == "1"
+
 #: Usable memory is exactly the device's capacity (no fraction, no reserve, no min free), and an
 #: out-of-memory is an error a test sees (no CPU fallback).
 EXACT = dict(min_free_bytes=0, gpu_memory_fraction=1.0, reserve_bytes=0,
-             cpu_fallback_enabled=False)
+             cpu_fallback_enabled=False, expandable_segments=TEST_EXPANDABLE)
 #: ``EXACT`` with the automatic responses off: the driver is asked only what the test causes.
 QUIET = dict(EXACT, release_before_grow=False, auto_release_at_high=False,
              auto_cleanup_at_critical=False)
@@ -131,7 +137,22 @@ def _check_device(manager: Any, segs: list[dict], reserved: int) -> None:
     backend = getattr(dev, "backend", None)
     if manager.closed:
         return
+    expandable = manager._expandable.layout() if manager._expandable is not None else {}
+    for s in segs:
+        if s["handle"] in expandable:
+            # an expandable segment is its mapped prefix: physical bytes = mapped bytes
+            mapped, reservation = expandable[s["handle"]]
+            assert s["size"] == mapped <= reservation, (
+                f"expandable segment {s['handle']:#x}: pool size {s['size']}, mapped {mapped}, "
+                f"reserved {reservation}")
+    assert set(expandable) <= {s["handle"] for s in segs}, "an expandable segment left the pool"
     if backend == "sim":
+        assert dev.mapped_bytes == sum(m for m, _ in expandable.values()), (
+            f"sim maps {dev.mapped_bytes} bytes, the pool's expandable segments span "
+            f"{sum(m for m, _ in expandable.values())}")
+        assert dev.live_mappings == dev.live_page_handles, "a page is created but not mapped"
+        assert dev.live_reservations == len(expandable), "a reservation leaked or is missing"
+        segs = [s for s in segs if s["handle"] not in expandable]
         sim = {s.handle: s for s in dev.segments()}
         pool = {s["handle"]: s for s in segs}
         assert set(sim) == set(pool), (

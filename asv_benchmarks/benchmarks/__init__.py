@@ -5,8 +5,8 @@ timeraw_, so none of these is mistaken for a benchmark). ``asv_benchmarks/compar
 them too.
 
 With ``environment_type: existing`` asv runs the benchmarks in the current interpreter without
-installing the project, so the repo root is put on sys.path when gpumem is not importable (the
-extensions are built in place: ``python setup.py build_ext --inplace``).
+installing the project, so the repo root is put first on sys.path when its extensions are built
+in place (``python setup.py build_ext --inplace``) or when gpumem is not importable otherwise.
 """
 from __future__ import annotations
 
@@ -22,6 +22,8 @@ from pathlib import Path
 ASV_DIR = Path(__file__).resolve().parents[1]
 REPO = ASV_DIR.parent
 
+if any((REPO / "gpumem" / "_core").glob("pool*.so")):
+    sys.path.insert(0, str(REPO))   # the checkout, built in place, not an older installed copy
 try:
     import gpumem  # noqa: F401
 except ImportError:

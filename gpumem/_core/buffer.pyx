@@ -561,6 +561,15 @@ cdef class ManagerCore:
         self.pool.add_segment_and_alloc(handle, base, seg_size, nbytes, stream, &b)
         return self._wrap(b, nbytes, stream, tag)
 
+    def _alloc_in_grown_segment(self, uint64_t handle, size_t extra, size_t nbytes,
+                                uint64_t stream, tag):
+        """The request from segment `handle` grown by `extra` mapped bytes; None when the pool
+        did not take them (nothing changed)."""
+        cdef gm_block* b
+        if self.pool.grow_segment_and_alloc(handle, extra, nbytes, stream, &b) != 0:
+            return None
+        return self._wrap(b, nbytes, stream, tag)
+
     def _alloc_cached(self, size_t nbytes, uint64_t stream, tag):
         """A retry of the cache only; None on a miss."""
         cdef gm_block* b

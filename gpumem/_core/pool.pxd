@@ -110,3 +110,5 @@ cdef class CachingPool:
     cdef size_t segment_size_for(self, size_t rounded) noexcept nogil
     cdef int add_segment_and_alloc(self, uint64_t handle, size_t base, size_t seg_size,
                                    size_t nbytes, uint64_t stream, gm_block** out) except -1
+    cdef int grow_segment_and_alloc(self, uint64_t handle, size_t extra, size_t nbytes,
+                                    uint64_t stream, gm_block** out) except -1

@@ -722,6 +722,20 @@ cdef inline size_t _round_up(size_t n, size_t to) noexcept nogil:
     return ((n + to - 1) // to) * to
 
 
+cdef gm_segment* _find_segment(gm_pool* p, uint64_t handle) noexcept nogil:
+    cdef gm_segment* s = p.segments
+    while s != NULL and s.handle != handle:
+        s = s.next
+    return s
+
+
+cdef inline gm_block* _last_block(gm_segment* seg) noexcept nogil:
+    cdef gm_block* b = seg.first
+    while b.next != NULL:
+        b = b.next
+    return b
+
+
 @cython.final
 cdef class CachingPool:
     """Segments and blocks of one device, without the device: the manager feeds it segments.
@@ -922,6 +936,134 @@ cdef class CachingPool:
         if failed == 2:
             raise MemoryError("cannot allocate a block record")
         return 0
+
+    # --- expandable segments (virtual memory: the segment's end moves) ----------------------
+    # The manager (gpumem/expandable.py) maps pages at a segment's end, then grows it here; or
+    # shrinks a free tail here, then unmaps the pages. The pool only sees `size` change.
+    def tail_free_bytes(self, uint64_t handle, uint64_t stream) -> int:
+        """Size of the free block at the end of segment `handle` when it is cached for
+        `stream` (growing the segment extends it), else 0."""
+        cdef gm_pool* p = self._p
+        cdef gm_segment* seg
+        cdef gm_block* last
+        cdef size_t out = 0
+        cdef int k
+        _lock(p)
+        seg = _find_segment(p, handle)
+        k = _slot(p, stream)
+        if seg != NULL and k >= 0:
+            last = _last_block(seg)
+            if last.heap_index == 2 * k + (0 if seg.is_small else 1):
+                out = last.size
+        _unlock(p)
+        return out
+
+    cdef int grow_segment_and_alloc(self, uint64_t handle, size_t extra, size_t nbytes,
+                                    uint64_t stream, gm_block** out) except -1:
+        """Segment `handle` gains `extra` bytes at its end (already mapped by the caller; 0
+        when its free tail is already large enough) and the request is carved from that tail. Returns 0, or 1 when nothing changed (unknown
+        segment or stream, a tail too small, no block record): the caller unmaps the pages."""
+        cdef gm_pool* p = self._p
+        cdef size_t s = gm_round(p, nbytes)
+        cdef gm_segment* seg
+        cdef gm_block* last
+        cdef gm_block* tail
+        cdef int k, hi
+        _lock(p)
+        seg = _find_segment(p, handle)
+        k = _slot(p, stream)
+        if seg == NULL or k < 0 or extra % p.cfg.granularity:
+            _unlock(p)
+            return 1
+        hi = 2 * k + (0 if seg.is_small else 1)
+        last = _last_block(seg)
+        if last.heap_index == hi:
+            if last.size + extra < s:
+                _unlock(p)
+                return 1
+            _heap_remove(p.heaps[hi], last)
+            if last.offset == 0:
+                gm_sub(p.stats.whole_free_bytes, seg.size)
+                gm_add(p.stats.whole_free_bytes, seg.size + extra)   # _carve takes it off
+            last.size += extra
+            tail = last
+        else:
+            if extra < s:               # also refuses extra == 0 without a free tail
+                _unlock(p)
+                return 1
+            tail = _new_block(p)
+            if tail == NULL:
+                _unlock(p)
+                return 1
+            tail.segment = seg
+            tail.offset = seg.size
+            tail.size = extra
+            tail.stream = stream
+            tail.prev = last
+            last.next = tail
+        seg.size += extra
+        gm_add(p.stats.reserved_bytes, extra)
+        gm_max(p.stats.peak_reserved_bytes, p.stats.reserved_bytes.load(memory_order_relaxed))
+        gm_add(p.stats.misses, 1)
+        if _carve(p, tail, s, nbytes, stream, hi) < 0:
+            _coalesce_insert(p, tail, hi)   # the pages stay, as a cached free tail
+            _unlock(p)
+            raise MemoryError("cannot allocate a block record")
+        out[0] = tail
+        _unlock(p)
+        return 0
+
+    def free_tail_offset(self, uint64_t handle) -> int:
+        """Offset where segment `handle`'s free tail begins (its size when the last block is
+        live): the bytes from there on could be given back."""
+        cdef gm_pool* p = self._p
+        cdef gm_segment* seg
+        cdef gm_block* last
+        cdef size_t out = 0
+        _lock(p)
+        seg = _find_segment(p, handle)
+        if seg != NULL:
+            last = _last_block(seg)
+            out = last.offset if last.heap_index >= 0 else seg.size
+        _unlock(p)
+        if seg == NULL:
+            raise KeyError(handle)
+        return out
+
+    def trim_segment_tail(self, uint64_t handle, size_t new_size) -> int:
+        """Shrink segment `handle` to `new_size` bytes when everything past it is one free
+        block (checked under the lock: a hit may have taken the tail meanwhile) and at least
+        one byte stays (a wholly free segment is released whole instead). Returns the
+        segment's size afterwards; the caller unmaps what lies past it."""
+        cdef gm_pool* p = self._p
+        cdef gm_segment* seg
+        cdef gm_block* last
+        cdef size_t size = 0
+        cdef int hi
+        if new_size % p.cfg.granularity:
+            raise ValueError(f"{new_size} is not a multiple of the granularity")
+        _lock(p)
+        seg = _find_segment(p, handle)
+        if seg != NULL:
+            size = seg.size
+            last = _last_block(seg)
+            if (last.heap_index >= 0 and 0 < new_size < seg.size and last.offset <= new_size
+                    and last.offset > 0):
+                hi = last.heap_index
+                _heap_remove(p.heaps[hi], last)
+                if new_size == last.offset:
+                    last.prev.next = NULL
+                    _drop_block(p, last)
+                else:
+                    last.size = new_size - last.offset
+                    _heap_insert(p.heaps[hi], last, hi)
+                gm_sub(p.stats.reserved_bytes, seg.size - new_size)
+                seg.size = new_size
+                size = new_size
+        _unlock(p)
+        if seg == NULL:
+            raise KeyError(handle)
+        return size
 
     def release_free_segments(self, size_t max_bytes=SIZE_MAX, int small=-1) -> list:
         """Detach wholly free segments, largest first, until max_bytes have been released;

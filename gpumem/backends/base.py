@@ -8,6 +8,25 @@ address for sim, and a synthetic, unique address range for OpenCL (where the use
 a sub-buffer, see :meth:`Device.resolve`).
 
 Streams are integers; ``0`` is the device's default stream/queue.
+
+Virtual memory (optional). A device whose driver can map physical pages into reserved address
+ranges (CUDA's ``cuMem*`` VMM calls; sim models them) says so with
+:attr:`Device.supports_virtual_memory` and implements the ``vm_*`` calls. The rules are the
+strictest common ones, so code written for one such backend runs on every other:
+
+- sizes and addresses are multiples of :meth:`Device.vm_granularity`;
+- a reserved range costs address space only; a physical page handle (:meth:`Device.vm_create`)
+  costs device memory (``mem_get_info`` drops) until it is released;
+- :meth:`Device.vm_map` maps one whole handle at an address inside one reservation whose bytes
+  there are unmapped, and makes it readable and writable by the device (map + set access);
+- :meth:`Device.vm_unmap` removes exactly one mapping; a handle is released
+  (:meth:`Device.vm_release`) and a reservation freed (:meth:`Device.vm_free`) only once
+  nothing is mapped through it;
+- a reservation's address is a segment handle for :meth:`Device.resolve`, the copies and
+  memset; the bytes they touch must be mapped.
+
+Devices that cannot (OpenCL, host) keep the defaults below: the flag is False and every call
+raises :class:`~gpumem.errors.UnsupportedOperationError`; the pool then uses plain segments.
 """
 from __future__ import annotations
 
@@ -18,7 +37,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from gpumem.errors import InvalidInputError
+from gpumem.errors import InvalidInputError, UnsupportedOperationError
 
 __all__ = ["DeviceProperties", "DeviceDescription", "Device", "Backend", "check_block_range"]
 
@@ -174,6 +193,47 @@ class Device(abc.ABC):
 
     def destroy_event(self, event: int) -> None:
         """Release an event from :meth:`record_event` (it may still be pending)."""
+
+    # --- virtual memory (optional; see the module docstring for the rules) -------------------
+    @property
+    def supports_virtual_memory(self) -> bool:
+        """True when the ``vm_*`` calls work on this device."""
+        return False
+
+    def _no_virtual_memory(self, call: str) -> UnsupportedOperationError:
+        return UnsupportedOperationError(
+            f"{self.device_string}: the {self.backend} backend has no virtual-memory mapping, so "
+            f"{call}() is not available (check Device.supports_virtual_memory first)")
+
+    def vm_granularity(self) -> int:
+        """Bytes every reservation, page handle, mapping and address is a multiple of."""
+        raise self._no_virtual_memory("vm_granularity")
+
+    def vm_reserve(self, nbytes: int) -> int:
+        """Reserve ``nbytes`` of address space (no memory behind it); returns its address."""
+        raise self._no_virtual_memory("vm_reserve")
+
+    def vm_free(self, address: int, nbytes: int) -> None:
+        """Give back a whole reservation from :meth:`vm_reserve`; nothing may be mapped in it."""
+        raise self._no_virtual_memory("vm_free")
+
+    def vm_create(self, nbytes: int) -> int:
+        """A physical page handle of ``nbytes`` (a multiple of the granularity); raises
+        :class:`~gpumem.errors.DriverOutOfMemory` when the device has no room."""
+        raise self._no_virtual_memory("vm_create")
+
+    def vm_map(self, address: int, nbytes: int, handle: int) -> None:
+        """Map the whole of ``handle`` (``nbytes`` long) at ``address`` and give the device
+        read/write access. On failure nothing stays mapped."""
+        raise self._no_virtual_memory("vm_map")
+
+    def vm_unmap(self, address: int, nbytes: int) -> None:
+        """Remove the one mapping that starts at ``address`` and spans ``nbytes``."""
+        raise self._no_virtual_memory("vm_unmap")
+
+    def vm_release(self, handle: int) -> None:
+        """Release a page handle that is not mapped anywhere; its memory returns to the device."""
+        raise self._no_virtual_memory("vm_release")
 
     def close(self) -> None:
         """Release driver resources held by this object (contexts, queues). Idempotent."""

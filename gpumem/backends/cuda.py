@@ -24,6 +24,7 @@ import weakref
 from typing import Any, Iterator
 
 from gpumem.backends.base import Backend, Device, DeviceProperties, check_block_range
+from gpumem.backends.cuda_vmm import CudaVirtualMemory
 from gpumem.backends.host import buffer_address, byte_view
 from gpumem.errors import (BackendUnavailableError, DriverError, DriverOutOfMemory,
                            InvalidDeviceError, InvalidInputError)
@@ -270,13 +271,14 @@ _EXTRA_ATTRIBUTES = (
 )
 
 
-class CudaDevice(Device):
+class CudaDevice(CudaVirtualMemory, Device):
     """One CUDA device through its primary context (the one the runtime, CuPy and PyTorch use).
 
     The primary context is retained on open and released on :meth:`close`. Each call makes
     it current on the calling thread only for the duration of the call (push/pop), so a
     caller's own current context is left as it was. Segments are ``cuMemAlloc`` allocations;
-    a segment's handle is its device pointer.
+    a segment's handle is its device pointer. Virtual memory: see
+    :mod:`gpumem.backends.cuda_vmm` (a reservation's address is a segment handle too).
     """
 
     backend = "cuda"
@@ -297,6 +299,7 @@ class CudaDevice(Device):
         self._props: DeviceProperties | None = None
         self._finalizer = weakref.finalize(self, _release_primary, driver, self._dev,
                                            self._released)
+        self._vm_init()
 
     # --- context handling --------------------------------------------------------------------
     @contextlib.contextmanager
@@ -407,6 +410,8 @@ class CudaDevice(Device):
     def _span(self, handle: int, offset: int, nbytes: int) -> int:
         with self._lock:
             size = self._segments.get(handle)
+        if size is None:
+            size = self._reservation_size(handle)
         check_block_range(self.device_string, handle, size, offset, nbytes)
         return handle + offset
 
@@ -549,6 +554,7 @@ class CudaDevice(Device):
             segments = list(self._segments)
             streams = list(self._streams.values())
             events = list(self._events.values())
+        vm_calls = self._vm_close()
         # Free what is left, then drop the primary-context reference; failures are ignored
         # because close() runs on teardown paths.
         try:
@@ -560,6 +566,8 @@ class CudaDevice(Device):
                     self._drv.cuStreamDestroy(s)
                 for ev in events:
                     self._drv.cuEventDestroy(ev)
+                for name, args in vm_calls:
+                    getattr(self._drv, name)(*args)
         except Exception:
             pass
         with self._lock:

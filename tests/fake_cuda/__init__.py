@@ -98,7 +98,8 @@ def helpers(name_or_path: str = SONAME) -> ctypes.CDLL:
     (``"libcuda.so.1"`` resolves to it by soname once cuda-python has loaded it)."""
     lib = ctypes.CDLL(name_or_path, mode=os.RTLD_GLOBAL)
     for fn in ("fake_cuda_live_allocations", "fake_cuda_live_host_allocations",
-               "fake_cuda_live_streams", "fake_cuda_live_events"):
+               "fake_cuda_live_streams", "fake_cuda_live_events", "fake_cuda_live_vmm_handles",
+               "fake_cuda_live_vmm_mappings", "fake_cuda_live_vmm_reservations"):
         getattr(lib, fn).argtypes = []
         getattr(lib, fn).restype = ctypes.c_int
     lib.fake_cuda_primary_ctx_refcount.argtypes = [ctypes.c_int]

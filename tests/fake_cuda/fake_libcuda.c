@@ -67,7 +67,8 @@
  *
  * Test helpers (plain C, for ctypes): fake_cuda_live_allocations, fake_cuda_live_host_allocations,
  * fake_cuda_live_streams, fake_cuda_live_events, fake_cuda_primary_ctx_refcount,
- * fake_cuda_set_stream_busy.
+ * fake_cuda_set_stream_busy; for virtual memory (see the VMM block) fake_cuda_live_vmm_handles,
+ * fake_cuda_live_vmm_mappings, fake_cuda_live_vmm_reservations.
  */
 #define _GNU_SOURCE
 #include <cuda.h>
@@ -81,6 +82,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <unistd.h>
 
 #define FAKE_MAX_DEVICES 64
 #define FAKE_ALIGNMENT 256                     /* cuMemAlloc guarantees at least this */
@@ -271,17 +273,19 @@ static size_t lower_bound(uintptr_t p)
     return lo;
 }
 
-/* [p, p + n) must lie inside one live device allocation (n > 0). */
+static CUresult vmm_check_range(uintptr_t p, size_t n);   /* in the VMM block below */
+
+/* [p, p + n) must lie inside one live device allocation or in mapped, accessible VMM memory. */
 static CUresult check_range(CUdeviceptr dptr, size_t n)
 {
     uintptr_t p = (uintptr_t)dptr;
     size_t i = lower_bound(p + 1);   /* first block starting after p */
     if (i == 0)
-        return CUDA_ERROR_INVALID_VALUE;
+        return vmm_check_range(p, n);
     const struct fake_block *b = &g_dev_blocks.v[i - 1];   /* the last one starting at or before p */
     size_t off = p - b->base;
     if (off >= b->size || n > b->size - off)
-        return CUDA_ERROR_INVALID_VALUE;
+        return vmm_check_range(p, n);
     return CUDA_SUCCESS;
 }
 
@@ -522,6 +526,7 @@ static CUresult device_get_attribute(int *pi, CUdevice_attribute attrib, CUdevic
     case CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID: v = 0; break;
     case CU_DEVICE_ATTRIBUTE_PCI_BUS_ID: v = FAKE_PCI_BUS_BASE + dev; break;
     case CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID: v = 0; break;
+    case CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED: v = 1; break;   /* VMM block */
     default: return CUDA_ERROR_INVALID_VALUE;
     }
     *pi = v;
@@ -1021,6 +1026,383 @@ static CUresult event_destroy(CUevent he)
 }
 CUresult CUDAAPI cuEventDestroy(CUevent hEvent) { LOCKED(event_destroy(hEvent)); }
 
+/* ==========================================================================================
+ * Virtual memory management (cuMem* VMM calls) - a separate block, kept apart from the rest.
+ *
+ * Model (the rules of the CUDA driver API documentation, "Virtual Memory Management"):
+ *   - granularity: FAKE_VMM_GRANULARITY (2 MiB, minimum and recommended alike); every size,
+ *     address and offset must be a multiple of it;
+ *   - cuMemAddressReserve takes host address space only (mmap PROT_NONE, MAP_NORESERVE): it does
+ *     not count against cuMemGetInfo; cuMemCreate counts its size as used device memory, backed
+ *     by a memfd so that the same bytes show through every mapping of the handle;
+ *   - cuMemMap maps a whole handle (offset 0) inside one reservation over unmapped bytes only;
+ *     the range is inaccessible (copies and memsets fail) until cuMemSetAccess grants access
+ *     on a fully mapped range;
+ *   - cuMemUnmap takes exactly whole mappings; cuMemAddressFree needs the reservation whole
+ *     and unmapped; cuMemRelease of a still-mapped handle is allowed and frees the memory at
+ *     its last unmap (as the real driver does).
+ * Helpers: fake_cuda_live_vmm_handles (created, not released), fake_cuda_live_vmm_mappings,
+ * fake_cuda_live_vmm_reservations.
+ * ========================================================================================== */
+#define FAKE_VMM_GRANULARITY ((size_t)2 << 20)
+
+struct fake_vmm_mem {          /* a physical allocation (CUmemGenericAllocationHandle) */
+    int fd;
+    size_t size;
+    int device;
+    int nmaps;
+    int released;
+    struct fake_vmm_mem *next;
+};
+
+struct fake_vmm_range {        /* a reservation or a mapping */
+    uintptr_t base;
+    size_t size;
+    void *raw;                 /* reservation: what mmap returned (before alignment) */
+    size_t raw_size;
+    struct fake_vmm_mem *mem;  /* mapping: its handle */
+    int access;                /* mapping: cuMemSetAccess granted read/write */
+};
+
+static struct fake_vmm_mem *g_vmm_mems;
+static struct fake_vmm_range *g_vmm_res, *g_vmm_maps;
+static size_t g_vmm_nres, g_vmm_capres, g_vmm_nmaps, g_vmm_capmaps;
+static int g_vmm_live_handles;
+
+static int vmm_push(struct fake_vmm_range **v, size_t *n, size_t *cap, struct fake_vmm_range r)
+{
+    if (*n == *cap) {
+        size_t c = *cap ? 2 * *cap : 32;
+        struct fake_vmm_range *g = realloc(*v, c * sizeof *g);
+        if (!g)
+            return -1;
+        *v = g;
+        *cap = c;
+    }
+    (*v)[(*n)++] = r;
+    return 0;
+}
+
+static int vmm_aligned(size_t x) { return x % FAKE_VMM_GRANULARITY == 0; }
+
+static struct fake_vmm_mem *vmm_lookup_mem(CUmemGenericAllocationHandle h)
+{
+    for (struct fake_vmm_mem *m = g_vmm_mems; m; m = m->next)
+        if ((CUmemGenericAllocationHandle)(uintptr_t)m == h && !m->released)
+            return m;
+    return NULL;
+}
+
+/* The reservation holding [p, p + n), or NULL. */
+static struct fake_vmm_range *vmm_reservation_of(uintptr_t p, size_t n)
+{
+    for (size_t i = 0; i < g_vmm_nres; i++) {
+        struct fake_vmm_range *r = &g_vmm_res[i];
+        if (p >= r->base && n <= r->size && p - r->base <= r->size - n)
+            return r;
+    }
+    return NULL;
+}
+
+/* Index of the mapping containing p, or -1. */
+static long vmm_mapping_at(uintptr_t p)
+{
+    for (size_t i = 0; i < g_vmm_nmaps; i++)
+        if (p >= g_vmm_maps[i].base && p - g_vmm_maps[i].base < g_vmm_maps[i].size)
+            return (long)i;
+    return -1;
+}
+
+/* Collect the whole mappings that tile [p, p + n) exactly into idx (at most max); the count,
+ * or -1 when the range is not exactly a run of whole mappings. */
+static long vmm_tiling(uintptr_t p, size_t n, long *idx, long max)
+{
+    long k = 0;
+    uintptr_t at = p;
+    while (at < p + n) {
+        long i = vmm_mapping_at(at);
+        if (i < 0 || g_vmm_maps[i].base != at || k == max)
+            return -1;
+        idx[k++] = i;
+        at += g_vmm_maps[i].size;
+    }
+    return at == p + n ? k : -1;
+}
+
+/* Copies and memsets into VMM memory: every byte mapped, with access granted. */
+static CUresult vmm_check_range(uintptr_t p, size_t n)
+{
+    uintptr_t at = p;
+    while (at < p + n) {
+        long i = vmm_mapping_at(at);
+        if (i < 0 || !g_vmm_maps[i].access)
+            return CUDA_ERROR_INVALID_VALUE;
+        at = g_vmm_maps[i].base + g_vmm_maps[i].size;
+    }
+    return CUDA_SUCCESS;
+}
+
+static void vmm_drop_mem_if_unused(struct fake_vmm_mem *m)
+{
+    if (!m->released || m->nmaps)
+        return;
+    struct fake_vmm_mem **pp = &g_vmm_mems;
+    while (*pp != m)
+        pp = &(*pp)->next;
+    *pp = m->next;
+    g_dev[m->device].used -= m->size;
+    close(m->fd);
+    free(m);
+}
+
+static CUresult vmm_check_prop(const CUmemAllocationProp *prop)
+{
+    if (!prop || prop->type != CU_MEM_ALLOCATION_TYPE_PINNED ||
+        prop->location.type != CU_MEM_LOCATION_TYPE_DEVICE)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (prop->location.id < 0 || prop->location.id >= g_ndev)
+        return CUDA_ERROR_INVALID_DEVICE;
+    return CUDA_SUCCESS;
+}
+
+static CUresult mem_get_allocation_granularity(size_t *granularity, const CUmemAllocationProp *prop,
+                                               CUmemAllocationGranularity_flags option)
+{
+    TRY(need_init());
+    if (!granularity || (option != CU_MEM_ALLOC_GRANULARITY_MINIMUM &&
+                         option != CU_MEM_ALLOC_GRANULARITY_RECOMMENDED))
+        return CUDA_ERROR_INVALID_VALUE;
+    TRY(vmm_check_prop(prop));
+    *granularity = FAKE_VMM_GRANULARITY;
+    return CUDA_SUCCESS;
+}
+CUresult CUDAAPI cuMemGetAllocationGranularity(size_t *granularity, const CUmemAllocationProp *prop,
+                                               CUmemAllocationGranularity_flags option)
+{
+    LOCKED(mem_get_allocation_granularity(granularity, prop, option));
+}
+
+static CUresult mem_address_reserve(CUdeviceptr *ptr, size_t size, size_t alignment, CUdeviceptr addr,
+                                    unsigned long long flags)
+{
+    TRY(need_init());
+    (void)addr;                 /* a hint only */
+    if (!ptr || size == 0 || flags || !vmm_aligned(size) || (alignment & (alignment - 1)))
+        return CUDA_ERROR_INVALID_VALUE;
+    size_t align = alignment > FAKE_VMM_GRANULARITY ? alignment : FAKE_VMM_GRANULARITY;
+    size_t raw_size = size + align;
+    void *raw = mmap(NULL, raw_size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (raw == MAP_FAILED)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    uintptr_t base = ((uintptr_t)raw + align - 1) & ~(uintptr_t)(align - 1);
+    struct fake_vmm_range r = {base, size, raw, raw_size, NULL, 0};
+    if (vmm_push(&g_vmm_res, &g_vmm_nres, &g_vmm_capres, r)) {
+        munmap(raw, raw_size);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    *ptr = (CUdeviceptr)base;
+    return CUDA_SUCCESS;
+}
+CUresult CUDAAPI cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t alignment, CUdeviceptr addr,
+                                     unsigned long long flags)
+{
+    LOCKED(mem_address_reserve(ptr, size, alignment, addr, flags));
+}
+
+static CUresult mem_address_free(CUdeviceptr ptr, size_t size)
+{
+    TRY(need_init());
+    for (size_t i = 0; i < g_vmm_nres; i++) {
+        struct fake_vmm_range *r = &g_vmm_res[i];
+        if (r->base != (uintptr_t)ptr)
+            continue;
+        if (r->size != size)
+            return CUDA_ERROR_INVALID_VALUE;
+        for (size_t j = 0; j < g_vmm_nmaps; j++)     /* unmap before free */
+            if (g_vmm_maps[j].base >= r->base && g_vmm_maps[j].base - r->base < r->size)
+                return CUDA_ERROR_INVALID_VALUE;
+        munmap(r->raw, r->raw_size);
+        g_vmm_res[i] = g_vmm_res[--g_vmm_nres];
+        return CUDA_SUCCESS;
+    }
+    return CUDA_ERROR_INVALID_VALUE;
+}
+CUresult CUDAAPI cuMemAddressFree(CUdeviceptr ptr, size_t size) { LOCKED(mem_address_free(ptr, size)); }
+
+static CUresult mem_create(CUmemGenericAllocationHandle *handle, size_t size, const CUmemAllocationProp *prop,
+                           unsigned long long flags)
+{
+    TRY(need_init());
+    if (!handle || size == 0 || flags || !vmm_aligned(size))
+        return CUDA_ERROR_INVALID_VALUE;
+    TRY(vmm_check_prop(prop));
+    struct fake_device *d = &g_dev[prop->location.id];
+    if (size > d->total - d->used)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    struct fake_vmm_mem *m = calloc(1, sizeof *m);
+    if (!m)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    m->fd = memfd_create("fake_cuda_vmm", MFD_CLOEXEC);
+    if (m->fd < 0 || ftruncate(m->fd, (off_t)size) != 0) {
+        if (m->fd >= 0)
+            close(m->fd);
+        free(m);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    m->size = size;
+    m->device = prop->location.id;
+    m->next = g_vmm_mems;
+    g_vmm_mems = m;
+    d->used += size;
+    g_vmm_live_handles++;
+    *handle = (CUmemGenericAllocationHandle)(uintptr_t)m;
+    return CUDA_SUCCESS;
+}
+CUresult CUDAAPI cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size, const CUmemAllocationProp *prop,
+                             unsigned long long flags)
+{
+    LOCKED(mem_create(handle, size, prop, flags));
+}
+
+static CUresult mem_release(CUmemGenericAllocationHandle handle)
+{
+    TRY(need_init());
+    struct fake_vmm_mem *m = vmm_lookup_mem(handle);
+    if (!m)
+        return CUDA_ERROR_INVALID_VALUE;
+    m->released = 1;
+    g_vmm_live_handles--;
+    vmm_drop_mem_if_unused(m);
+    return CUDA_SUCCESS;
+}
+CUresult CUDAAPI cuMemRelease(CUmemGenericAllocationHandle handle) { LOCKED(mem_release(handle)); }
+
+static CUresult mem_map(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle handle,
+                        unsigned long long flags)
+{
+    TRY(need_init());
+    uintptr_t p = (uintptr_t)ptr;
+    struct fake_vmm_mem *m = vmm_lookup_mem(handle);
+    if (!m || flags || offset || size == 0 || !vmm_aligned(p) || !vmm_aligned(size) || size > m->size)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!vmm_reservation_of(p, size))
+        return CUDA_ERROR_INVALID_VALUE;             /* map only inside a reservation */
+    for (size_t i = 0; i < g_vmm_nmaps; i++) {       /* over unmapped bytes only */
+        const struct fake_vmm_range *q = &g_vmm_maps[i];
+        if (p < q->base + q->size && q->base < p + size)
+            return CUDA_ERROR_INVALID_VALUE;
+    }
+    struct fake_vmm_range r = {p, size, NULL, 0, m, 0};
+    if (vmm_push(&g_vmm_maps, &g_vmm_nmaps, &g_vmm_capmaps, r))
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    if (mmap((void *)p, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, m->fd, 0) == MAP_FAILED) {
+        g_vmm_nmaps--;
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    m->nmaps++;
+    return CUDA_SUCCESS;
+}
+CUresult CUDAAPI cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle handle,
+                          unsigned long long flags)
+{
+    LOCKED(mem_map(ptr, size, offset, handle, flags));
+}
+
+#define FAKE_VMM_MAX_RUN 4096
+
+static CUresult mem_set_access(CUdeviceptr ptr, size_t size, const CUmemAccessDesc *desc, size_t count)
+{
+    TRY(need_init());
+    static long idx[FAKE_VMM_MAX_RUN];
+    if (!desc || count == 0 || size == 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    int grant = 0;
+    for (size_t i = 0; i < count; i++) {
+        if (desc[i].location.type != CU_MEM_LOCATION_TYPE_DEVICE)
+            return CUDA_ERROR_INVALID_VALUE;
+        if (desc[i].location.id < 0 || desc[i].location.id >= g_ndev)
+            return CUDA_ERROR_INVALID_DEVICE;
+        if (desc[i].flags != CU_MEM_ACCESS_FLAGS_PROT_NONE && desc[i].flags != CU_MEM_ACCESS_FLAGS_PROT_READ &&
+            desc[i].flags != CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
+            return CUDA_ERROR_INVALID_VALUE;
+        grant = desc[i].flags == CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    }
+    long k = vmm_tiling((uintptr_t)ptr, size, idx, FAKE_VMM_MAX_RUN);
+    if (k < 0)
+        return CUDA_ERROR_INVALID_VALUE;             /* the range must be fully mapped */
+    for (long j = 0; j < k; j++)
+        g_vmm_maps[idx[j]].access = grant;
+    return CUDA_SUCCESS;
+}
+CUresult CUDAAPI cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc *desc, size_t count)
+{
+    LOCKED(mem_set_access(ptr, size, desc, count));
+}
+
+static CUresult mem_unmap(CUdeviceptr ptr, size_t size)
+{
+    TRY(need_init());
+    static long idx[FAKE_VMM_MAX_RUN];
+    uintptr_t p = (uintptr_t)ptr;
+    long k = vmm_tiling(p, size, idx, FAKE_VMM_MAX_RUN);
+    if (k <= 0)
+        return CUDA_ERROR_INVALID_VALUE;             /* whole mappings only */
+    /* back to a bare reservation */
+    if (mmap((void *)p, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0)
+        == MAP_FAILED)
+        return CUDA_ERROR_UNKNOWN;
+    struct fake_vmm_mem *dropped[FAKE_VMM_MAX_RUN];
+    for (long j = 0; j < k; j++) {
+        dropped[j] = g_vmm_maps[idx[j]].mem;
+        dropped[j]->nmaps--;
+        g_vmm_maps[idx[j]].size = 0;                 /* mark, then compact */
+    }
+    size_t w = 0;
+    for (size_t i = 0; i < g_vmm_nmaps; i++)
+        if (g_vmm_maps[i].size)
+            g_vmm_maps[w++] = g_vmm_maps[i];
+    g_vmm_nmaps = w;
+    for (long j = 0; j < k; j++)
+        vmm_drop_mem_if_unused(dropped[j]);
+    return CUDA_SUCCESS;
+}
+CUresult CUDAAPI cuMemUnmap(CUdeviceptr ptr, size_t size) { LOCKED(mem_unmap(ptr, size)); }
+
+int fake_cuda_live_vmm_handles(void)
+{
+    pthread_mutex_lock(&g_lock);
+    int n = g_vmm_live_handles;
+    pthread_mutex_unlock(&g_lock);
+    return n;
+}
+
+int fake_cuda_live_vmm_mappings(void)
+{
+    pthread_mutex_lock(&g_lock);
+    int n = (int)g_vmm_nmaps;
+    pthread_mutex_unlock(&g_lock);
+    return n;
+}
+
+int fake_cuda_live_vmm_reservations(void)
+{
+    pthread_mutex_lock(&g_lock);
+    int n = (int)g_vmm_nres;
+    pthread_mutex_unlock(&g_lock);
+    return n;
+}
+
+#define FAKE_VMM_PROCS(X)                                                   \
+    X(cuMemGetAllocationGranularity, 10020, cuMemGetAllocationGranularity)  \
+    X(cuMemAddressReserve, 10020, cuMemAddressReserve)                      \
+    X(cuMemAddressFree, 10020, cuMemAddressFree)                            \
+    X(cuMemCreate, 10020, cuMemCreate)                                      \
+    X(cuMemRelease, 10020, cuMemRelease)                                    \
+    X(cuMemMap, 10020, cuMemMap)                                            \
+    X(cuMemUnmap, 10020, cuMemUnmap)                                        \
+    X(cuMemSetAccess, 10020, cuMemSetAccess)
+/* ================================ end of the VMM block ================================== */
+
 /* ------------------------------------------------------------------------------------------
  * Numba (numba-cuda through cuda.core and cuda.bindings): what its device, context and memory
  * layer calls besides the above, for cuda.device_array / to_device / copy_to_host with an EMM
@@ -1119,6 +1501,7 @@ CUresult CUDAAPI cuDeviceGetUuid(CUuuid *uuid, CUdevice dev) { LOCKED(device_get
     X(cuEventDestroy, 4000, cuEventDestroy)                                 \
     OLD(cuGetProcAddress, 11030)                                            \
     FAKE_NUMBA_PROCS(X, OLD)                                                \
+    FAKE_VMM_PROCS(X)                                                       \
     GET_PROC_ADDRESS_ROW(X, OLD)
 
 struct proc_entry {

@@ -1,0 +1,61 @@
+"""Expandable segments off vs on, each trace of ../shared/traces replayed with
+:func:`gpumem.replay` on a fresh sim:80GiB under the default, constrained and inference presets
+(peers in one run: the ``expandable`` parameter).
+
+- ``track_physical_over_live``: peak physical bytes (the pool's peak reserved bytes; with
+  expandable segments exactly the mapped pages) over peak live requested bytes. Goal <= 1.02.
+- ``track_driver_calls``: segment allocs/frees plus virtual-memory calls.
+- ``track_events_per_second``: replay speed, events/s, of the same replay.
+- ``time_replay``: the replay itself, timed by asv.
+"""
+from gpumem.replay import replay, replay_config
+from gpumem.trace import read_trace
+
+from . import trace_names, traces_dir
+
+TRACES = trace_names()
+PRESETS = ["default", "constrained", "inference"]
+_results: dict = {}
+
+
+def _replay(name, preset, expandable):
+    key = (name, preset, expandable)
+    if key not in _results:
+        if name not in TRACES:
+            raise NotImplementedError(f"trace {name!r} not found (set GPUMEM_TRACES)")
+        data = read_trace(traces_dir() / f"{name}.csv.gz")
+        cfg = replay_config(preset).replace(expandable_segments=expandable == "on")
+        _results[key] = replay(data, "sim:80GiB", cfg)
+    return _results[key]
+
+
+class ExpandableSegments:
+    params = [TRACES or ["<no traces>"], PRESETS, ["off", "on"]]
+    param_names = ["trace", "config", "expandable"]
+    timeout = 300
+    number = 1
+    repeat = (2, 5, 30.0)
+
+    def setup(self, name, preset, expandable):
+        if name not in TRACES:
+            raise NotImplementedError(f"trace {name!r} not found (set GPUMEM_TRACES)")
+        self.data = read_trace(traces_dir() / f"{name}.csv.gz")
+        self.cfg = replay_config(preset).replace(expandable_segments=expandable == "on")
+
+    def time_replay(self, name, preset, expandable):
+        replay(self.data, "sim:80GiB", self.cfg)
+
+    def track_physical_over_live(self, name, preset, expandable):
+        return _replay(name, preset, expandable).reserved_live_ratio
+
+    track_physical_over_live.unit = "ratio"
+
+    def track_driver_calls(self, name, preset, expandable):
+        return _replay(name, preset, expandable).driver_calls
+
+    track_driver_calls.unit = "calls"
+
+    def track_events_per_second(self, name, preset, expandable):
+        return _replay(name, preset, expandable).events_per_second
+
+    track_events_per_second.unit = "events/s"
