@@ -10,6 +10,8 @@ subclass defines: `_malloc_slow`, `_on_alloc`, `_on_free`, `_trim_cache`, `_free
 cimport cython
 from libc.stdint cimport uint64_t
 from cpython.long cimport PyLong_AsLongLong
+from cpython.dict cimport PyDict_GetItem
+from cpython.ref cimport PyObject
 
 from gpumem._core.pool cimport (CachingPool, gm_pool, gm_block, gm_alloc, gm_free,
                                 GM_OK, GM_MISS, GM_UNKNOWN_STREAM, GM_BAD_BLOCK)
@@ -152,6 +154,17 @@ cdef class Buffer:
     def native(self):
         """The backend's own object for these bytes: the address for cuda/cpu/sim, a
         pyopencl sub-buffer for OpenCL (None for a zero-length buffer there)."""
+        # A device with a `native_cache` dict (OpenCL) maps ptr -> (nbytes, object, ...);
+        # a hit skips the Python call into device.resolve().
+        cdef dict cache = self._owner._native_cache
+        cdef PyObject* entry
+        cdef tuple hit
+        if cache is not None and self._block != NULL and not self._owner._closed:
+            entry = PyDict_GetItem(cache, self.ptr)       # borrowed; NULL when absent
+            if entry != NULL:
+                hit = <tuple><object>entry
+                if <size_t>hit[0] == self.nbytes:
+                    return hit[1]
         handle, offset = self.segment_location()
         return self._owner.device.resolve(handle, offset, self.nbytes)
 
@@ -248,12 +261,15 @@ cdef class ManagerCore:
     cdef size_t _cache_limit             # cached bytes above this call _trim_cache()
     cdef list _pending                   # _PendingFree: freed, waiting for other streams
     cdef readonly size_t pending_free_bytes
+    cdef dict _native_cache              # the device's `native_cache` (Buffer.native), or None
 
     def _core_init(self, CachingPool pool, device, str device_string) -> None:
         self.pool = pool
         self._p = pool._p
         self.device = device
         self.device_string = device_string
+        cache = getattr(device, "native_cache", None)
+        self._native_cache = cache if type(cache) is dict else None
         self._max_request = <size_t>-1
         self._cache_limit = <size_t>-1
         self._pending = []
