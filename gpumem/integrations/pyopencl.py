@@ -1,0 +1,121 @@
+"""pyopencl arrays whose memory comes from gpumem's pool.
+
+>>> import pyopencl.array as cla
+>>> from gpumem.integrations import pyopencl as gm_cl
+>>> alloc = gm_cl.allocator(mm)                      # mm: a MemoryManager on an OpenCL device
+>>> a = cla.zeros(alloc.queue, 1000, "float32", allocator=alloc)
+>>> del a                                            # the block goes back to mm's pool
+
+:func:`allocator` returns a callable that ``pyopencl.array.Array(..., allocator=...)``,
+``empty``, ``zeros`` and ``to_device`` accept. Each call takes a block from the manager's pool
+and returns a fresh ``pyopencl.Buffer`` object for it: a retained reference to the block's
+cached sub-buffer (``Buffer.native``) that carries the gpumem ``Buffer`` as an attribute. When
+pyopencl drops that object (the array and every view of it are gone), the gpumem ``Buffer`` is
+collected and its block returns to the pool, as with pyopencl's own ``MemoryPool``.
+
+Ordering: a block freed on a stream is reused by later work on that stream's in-order queue.
+Run the arrays' kernels on ``alloc.queue`` (``manager.device.queue(stream)``), as pyopencl's
+``MemoryPool`` expects its queue to be used.
+
+:func:`open_manager` puts a manager on a context (and queue) the program already has, so gpumem
+fits into an existing pyopencl program instead of owning the context.
+
+Thread safety: an allocator holds no mutable state; each call goes through the manager's
+``malloc``, whose contract is in ``gpumem.manager``.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from gpumem._core.buffer import Buffer
+from gpumem.config import MemoryConfig
+from gpumem.errors import InvalidInputError, OutOfMemoryError
+from gpumem.manager import MemoryManager
+
+__all__ = ["PyOpenCLAllocator", "allocator", "open_manager"]
+
+
+class PyOpenCLAllocator:
+    """``alloc(nbytes) -> pyopencl.Buffer`` from a gpumem manager on an OpenCL device."""
+
+    __slots__ = ("manager", "stream", "_malloc", "_from_int_ptr")
+
+    def __init__(self, manager: MemoryManager, stream: int = 0) -> None:
+        import pyopencl as cl
+        self.manager = manager
+        self.stream = stream
+        self._malloc = manager.malloc
+        self._from_int_ptr = cl.Buffer.from_int_ptr
+
+    @property
+    def context(self) -> Any:
+        """The manager's ``pyopencl.Context``: the arrays' memory lives in it."""
+        return self.manager.device.context
+
+    @property
+    def queue(self) -> Any:
+        """The ``pyopencl.CommandQueue`` of the allocator's stream: give it to the arrays."""
+        return self.manager.device.queue(self.stream)
+
+    def __call__(self, nbytes: int) -> Any:
+        buf = self._malloc(nbytes, stream=self.stream)
+        if type(buf) is not Buffer:
+            buf.free()
+            raise OutOfMemoryError(
+                nbytes, device=self.manager.device_string,
+                reason="the device is exhausted and the manager fell back to host memory, "
+                       "which a pyopencl array cannot use: turn cpu_fallback_enabled off "
+                       "for managers that back pyopencl arrays")
+        sub = buf.native
+        if sub is None:
+            buf.free()
+            raise InvalidInputError(f"nbytes must be > 0 for a pyopencl buffer (OpenCL has no "
+                                    f"empty buffers), got {nbytes!r}")
+        # A new Python object on the cached sub-buffer's cl_mem (clRetainMemObject): its death,
+        # not the shared sub-buffer's, returns the block.
+        mem = self._from_int_ptr(sub.int_ptr, True)
+        mem._gpumem_buffer = buf
+        return mem
+
+    def __repr__(self) -> str:
+        return f"<gpumem pyopencl allocator on {self.manager!r}, stream {self.stream}>"
+
+
+def _default_manager() -> MemoryManager:
+    import gpumem
+    get_manager = getattr(gpumem, "get_manager", None)
+    if get_manager is None:
+        raise InvalidInputError(
+            "manager=None needs gpumem.get_manager(), which this gpumem does not have: pass a "
+            "MemoryManager on an OpenCL device, e.g. allocator(gpumem.MemoryManager('opencl:0'))")
+    return get_manager()
+
+
+def allocator(manager: MemoryManager | None = None, *, stream: int = 0) -> PyOpenCLAllocator:
+    """An allocator for ``pyopencl.array`` backed by ``manager``'s pool (None: the shared
+    manager, ``gpumem.get_manager()``). ``stream``: the manager's stream the blocks belong to;
+    its queue is ``allocator(...).queue``."""
+    if manager is None:
+        manager = _default_manager()
+    if not isinstance(manager, MemoryManager):
+        raise InvalidInputError(f"manager must be a gpumem.MemoryManager or None, got "
+                                f"{type(manager).__name__}")
+    if manager.device.backend != "opencl":
+        raise InvalidInputError(f"manager is on {manager.device_string}: pyopencl arrays need "
+                                f"a manager on an OpenCL device ('opencl:N')")
+    if manager.closed:
+        raise InvalidInputError(f"the manager for {manager.device_string} is closed")
+    if isinstance(stream, bool) or not isinstance(stream, int):
+        raise InvalidInputError(f"stream must be an int stream handle of the manager, got "
+                                f"{type(stream).__name__} {stream!r}")
+    manager.device.queue(stream)        # InvalidInputError for a stream the device lacks
+    return PyOpenCLAllocator(manager, stream)
+
+
+def open_manager(context: Any, queue: Any = None, *, device: Any = None,
+                 config: MemoryConfig | None = None) -> MemoryManager:
+    """A MemoryManager on an existing ``pyopencl.Context``, with ``queue`` (in-order, of that
+    context) as its stream 0, or a new queue when None. ``device``: which of the context's
+    devices (default: the queue's, else the context's only one)."""
+    from gpumem.backends.opencl import BACKEND
+    return MemoryManager(BACKEND.open_context(context, queue, device), config)
