@@ -8,7 +8,9 @@ sim     C-level pool hit pair (the .pxd API, compiled _cbench), the O(1) check (
         cached free blocks, one run), Python-level hit pair and mixed workload on a 1 TiB
         simulated device, trace replay (time, peak reserved / peak live).
 opencl  gpumem MemoryManager("opencl:0") vs pyopencl.tools.MemoryPool(ImmediateAllocator(queue))
-        on the same device and context: hit pair, mixed sizes, trace replay (+ peak held).
+        on the same device and context: hit pair, the kernel-ready pair (malloc + buf.native +
+        free vs allocate + release), pyopencl arrays created and dropped through each pool
+        (gpumem.integrations.pyopencl.allocator), mixed sizes, trace replay (+ peak held).
 cuda    gpumem MemoryManager("cuda:0") vs raw cuMemAlloc/cuMemFree, cuMemAllocAsync/FreeAsync
         on a stream, cuda.core DeviceMemoryResource, CuPy MemoryPool, torch's caching allocator;
         each peer is skipped with the reason when its package (or the GPU) is absent.
@@ -174,8 +176,8 @@ class Peer:
 
 
 class GpumemPeer(Peer):
-    def __init__(self, device: str, name: str = "gpumem", native: bool = False, config=None):
-        self.device, self.name, self.native, self.config = device, name, native, config
+    def __init__(self, device: str, name: str = "gpumem", config=None):
+        self.device, self.name, self.config = device, name, config
 
     def open(self):
         from gpumem import MemoryManager
@@ -188,16 +190,7 @@ class GpumemPeer(Peer):
         from gpumem import MemoryManager
         mm = MemoryManager(self.device, self.config)
         self.last = mm
-        if self.native:
-            malloc = mm.malloc
-
-            def alloc(n):
-                buf = malloc(n)
-                buf.native                     # the backend object (an OpenCL sub-buffer)
-                return buf
-        else:
-            alloc = mm.malloc
-        return Inst(alloc, mm.free, mm.close,
+        return Inst(mm.malloc, mm.free, mm.close,
                     peak=lambda: mm.pool.counters()["peak_reserved_bytes"])
 
 
@@ -227,6 +220,102 @@ class PyOpenCLPeer(Peer):
 
     def shutdown(self):
         self.mm.close()
+
+
+def bench_kernel_ready(timer: Timer, n: int = 4 * KiB) -> None:
+    """What an OpenCL user pays per block a kernel can take: gpumem's ``malloc`` + ``.native``
+    (the cached sub-buffer) + ``free`` against pyopencl's ``MemoryPool.allocate`` (already a
+    kernel argument) + ``release``; same context, each loop written inline."""
+    import pyopencl.tools as cl_tools
+    from gpumem import MemoryManager
+    bench = f"kernel-ready pair {fmt_size(n)}"
+    mm = MemoryManager("opencl:0")
+    pool = cl_tools.MemoryPool(cl_tools.ImmediateAllocator(mm.device.queue(0)))
+    try:
+        malloc, free = mm.malloc, mm.free
+        allocate, release = pool.allocate, cl_tools.PooledBuffer.release
+
+        def gpumem(k):
+            for _ in range(k):
+                b = malloc(n)
+                b.native
+                free(b)
+
+        def gpumem_address(k):
+            for _ in range(k):
+                b = malloc(n)
+                b.ptr
+                free(b)
+
+        def pyopencl(k):
+            for _ in range(k):
+                b = allocate(n)
+                release(b)
+
+        f1, f2 = abs, abs
+
+        def floor(k):
+            for _ in range(k):
+                b = f1(n)
+                f2(b)
+        runs = {"gpumem": gpumem, "gpumem, address only (.ptr)": gpumem_address,
+                "pyopencl MemoryPool": pyopencl, "python loop + 2 calls": floor}
+        for run in runs.values():
+            run(100)                         # warm: segments made, sub-buffer cached
+        for name, samples in timer.interleaved(runs).items():
+            record(bench, name, samples,
+                   note="reference: loop cost in every row" if "loop" in name else "")
+    finally:
+        pool.stop_holding()
+        mm.close()
+
+
+def bench_pyopencl_arrays(timer: Timer, n: int = 1024) -> None:
+    """``pyopencl.array.Array(queue, (n,), float32, allocator=...)`` created and dropped, and
+    ``a + b`` (a kernel launch plus a result array), with gpumem's allocator
+    (``gpumem.integrations.pyopencl``), pyopencl's MemoryPool and no allocator (a fresh
+    ``cl.Buffer`` per array), one queue of one context."""
+    import numpy as np
+    import pyopencl.array as cla
+    import pyopencl.tools as cl_tools
+    from gpumem import MemoryManager
+    from gpumem.integrations.pyopencl import allocator
+    mm = MemoryManager("opencl:0")
+    queue = mm.device.queue(0)
+    pool = cl_tools.MemoryPool(cl_tools.ImmediateAllocator(queue))
+    allocators = {"gpumem": allocator(mm), "pyopencl MemoryPool": pool,
+                  "no allocator (cl.Buffer each)": None}
+    try:
+        Array, f32 = cla.Array, np.dtype(np.float32)
+        create = {}
+        for name, alloc in allocators.items():
+            def run(k, alloc=alloc):
+                for _ in range(k):
+                    Array(queue, (n,), f32, allocator=alloc)
+            create[name] = run
+        for run in create.values():
+            run(100)
+        for name, samples in timer.interleaved(create).items():
+            record(f"pyopencl Array create+drop {n} float32", name, samples)
+        add = {}
+        x = np.arange(n, dtype=np.float32)
+        for name, alloc in allocators.items():
+            a = cla.to_device(queue, x, allocator=alloc)
+            b = cla.to_device(queue, x, allocator=alloc)
+
+            def run(k, a=a, b=b):
+                for _ in range(k):
+                    a + b
+                queue.finish()
+            add[name] = run
+        for run in add.values():
+            run(20)
+        for name, samples in timer.interleaved(add).items():
+            record(f"pyopencl a + b {n} float32", name, samples)
+    finally:
+        allocators.clear()
+        pool.stop_holding()
+        mm.close()
 
 
 # --- CUDA (written against the documented APIs; not runnable on the machine the figures in
@@ -750,20 +839,18 @@ def run_opencl(timer: Timer, args) -> dict:
           f"{total / 2**30:.2f} GiB reported, gpumem usable {usable / 2**30:.2f} GiB")
     NOTES.append(f"opencl:0 = {props.name} on {props.extra.get('platform')}, "
                  f"global memory {total / 2**30:.2f} GiB")
-    peers = open_peers([GpumemPeer("opencl:0"),
-                        GpumemPeer("opencl:0", name="gpumem + .native sub-buffer", native=True),
-                        PyOpenCLPeer("opencl:0")])
+    peers = open_peers([GpumemPeer("opencl:0"), PyOpenCLPeer("opencl:0")])
     bench_hit_pairs(timer, peers)
+    bench_kernel_ready(timer)
+    bench_pyopencl_arrays(timer)
     live = args.live or fitting_live_count(budget)
     if live < 10_000 and not args.live:
         NOTES.append(f"mixed: {live} live buffers instead of 10,000 (10,000 of mean "
                      f"{log_uniform_mean(KiB, 4 * MiB) / 2**10:.0f} KiB would not fit in "
                      f"{budget / 2**30:.2f} GiB)")
-    # the .native variant is left out here: two gpumem managers on one OpenCL device share
-    # its free-memory estimate, so together they would not fit
-    bench_mixed(timer, [p for p in peers if "native" not in p.name], live=live, warmup=5_000)
+    bench_mixed(timer, peers, live=live, warmup=5_000)
     if not args.no_traces:
-        bench_traces(timer, [p for p in peers if "native" not in p.name], budget=budget)
+        bench_traces(timer, peers, budget=budget)
     for p in peers:
         p.shutdown()
     return {}
@@ -834,6 +921,8 @@ def summarize(backend: str, summary: dict) -> list[str]:
                                f"{(r['median'] - floor) / (g - floor):.2f}x")
                     lines.append(f"hit pair {n}: {r['peer']} {r['median']:.0f} ns / gpumem "
                                  f"{g:.0f} ns = {ratio:.2f}x{target}{net}")
+    if backend == "opencl":
+        lines.extend(_opencl_goal_lines(med))
     for r in RESULTS:
         if r.get("bench", "").startswith("mixed") and "median" in r:
             lines.append(f"{r['bench']}: {r['peer']} {r['median']:.0f} ns per step")
@@ -841,6 +930,28 @@ def summarize(backend: str, summary: dict) -> list[str]:
         if r.get("bench", "").startswith("peak held/peak live"):
             lines.append(f"{r['bench'][len('peak held/peak live '):]}: {r['peer']} "
                          f"peak held / peak live {r['median']:.3f}")
+    return lines
+
+
+def _opencl_goal_lines(med) -> list[str]:
+    """Issue 12 item 1: kernel-ready pair >= 1.5x faster than pyopencl's pool; pyopencl arrays
+    through gpumem no slower than through pyopencl's pool."""
+    lines = []
+    bench = "kernel-ready pair 4 KiB"
+    g, p = med(bench, "gpumem"), med(bench, "pyopencl MemoryPool")
+    floor = med(bench, "python loop + 2 calls")
+    if g and p:
+        net = f"; net of the {floor:.0f} ns loop floor {(p - floor) / (g - floor):.2f}x" \
+            if floor is not None and g > floor else ""
+        lines.append(f"{bench}: pyopencl MemoryPool {p:.0f} ns / gpumem (malloc + .native + "
+                     f"free) {g:.0f} ns = {p / g:.2f}x (target >= 1.5x: "
+                     f"{'met' if p / g >= 1.5 else 'MISSED'}){net}")
+    for bench in ("pyopencl Array create+drop 1024 float32", "pyopencl a + b 1024 float32"):
+        g, p = med(bench, "gpumem"), med(bench, "pyopencl MemoryPool")
+        if g and p:
+            lines.append(f"{bench}: pyopencl MemoryPool {p / 1e3:.2f} us / gpumem allocator "
+                         f"{g / 1e3:.2f} us = {p / g:.2f}x (target: no slower, >= 1.0x: "
+                         f"{'met' if p / g >= 1.0 else 'MISSED'})")
     return lines
 
 

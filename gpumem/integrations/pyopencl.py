@@ -25,6 +25,7 @@ Thread safety: an allocator holds no mutable state; each call goes through the m
 """
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from gpumem._core.buffer import Buffer
@@ -35,17 +36,45 @@ from gpumem.manager import MemoryManager
 __all__ = ["PyOpenCLAllocator", "allocator", "open_manager"]
 
 
-class PyOpenCLAllocator:
-    """``alloc(nbytes) -> pyopencl.Buffer`` from a gpumem manager on an OpenCL device."""
+def _allocate(malloc: Any, from_int_ptr: Any, nbytes: int) -> Any:
+    """One pyopencl buffer backed by a gpumem block (the body of every allocator call)."""
+    buf = malloc(nbytes)
+    if type(buf) is not Buffer:
+        buf.free()
+        raise OutOfMemoryError(
+            nbytes, device=buf.device,
+            reason="the device is exhausted and the manager fell back to host memory, which a "
+                   "pyopencl array cannot use: turn cpu_fallback_enabled off for managers "
+                   "that back pyopencl arrays")
+    sub = buf.native
+    if sub is None:
+        buf.free()
+        raise InvalidInputError(f"nbytes must be > 0 for a pyopencl buffer (OpenCL has no "
+                                f"empty buffers), got {nbytes!r}")
+    # A new Python object on the cached sub-buffer's cl_mem (clRetainMemObject): its death, not
+    # the shared sub-buffer's, returns the block.
+    mem = from_int_ptr(sub.int_ptr, True)
+    mem._gpumem_buffer = buf
+    return mem
 
-    __slots__ = ("manager", "stream", "_malloc", "_from_int_ptr")
 
-    def __init__(self, manager: MemoryManager, stream: int = 0) -> None:
+class PyOpenCLAllocator(functools.partial):
+    """``alloc(nbytes) -> pyopencl.Buffer`` from a gpumem manager on an OpenCL device.
+
+    A ``functools.partial`` of the allocation function, so that pyopencl's call reaches it
+    without a Python-level ``__call__`` frame (each array creation pays for it)."""
+
+    manager: MemoryManager
+    stream: int
+
+    def __new__(cls, manager: MemoryManager, stream: int = 0) -> PyOpenCLAllocator:
         import pyopencl as cl
+        malloc = manager.malloc if stream == 0 else functools.partial(manager.malloc,
+                                                                     stream=stream)
+        self = super().__new__(cls, _allocate, malloc, cl.Buffer.from_int_ptr)
         self.manager = manager
         self.stream = stream
-        self._malloc = manager.malloc
-        self._from_int_ptr = cl.Buffer.from_int_ptr
+        return self
 
     @property
     def context(self) -> Any:
@@ -57,28 +86,12 @@ class PyOpenCLAllocator:
         """The ``pyopencl.CommandQueue`` of the allocator's stream: give it to the arrays."""
         return self.manager.device.queue(self.stream)
 
-    def __call__(self, nbytes: int) -> Any:
-        buf = self._malloc(nbytes, stream=self.stream)
-        if type(buf) is not Buffer:
-            buf.free()
-            raise OutOfMemoryError(
-                nbytes, device=self.manager.device_string,
-                reason="the device is exhausted and the manager fell back to host memory, "
-                       "which a pyopencl array cannot use: turn cpu_fallback_enabled off "
-                       "for managers that back pyopencl arrays")
-        sub = buf.native
-        if sub is None:
-            buf.free()
-            raise InvalidInputError(f"nbytes must be > 0 for a pyopencl buffer (OpenCL has no "
-                                    f"empty buffers), got {nbytes!r}")
-        # A new Python object on the cached sub-buffer's cl_mem (clRetainMemObject): its death,
-        # not the shared sub-buffer's, returns the block.
-        mem = self._from_int_ptr(sub.int_ptr, True)
-        mem._gpumem_buffer = buf
-        return mem
-
     def __repr__(self) -> str:
         return f"<gpumem pyopencl allocator on {self.manager!r}, stream {self.stream}>"
+
+    def __reduce__(self) -> Any:
+        raise TypeError("a gpumem pyopencl allocator belongs to one process's manager and "
+                        "cannot be pickled")
 
 
 def _default_manager() -> MemoryManager:
