@@ -14,11 +14,13 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 from gpumem._core.buffer import Buffer, ManagerCore
 from gpumem._core.pool import CachingPool
-from gpumem.backends import Device, open_device
+from gpumem import peers
+from gpumem.backends import Device, default_device, open_device
 from gpumem.config import MemoryConfig
 from gpumem.errors import (ClosedManagerError, DriverError, DriverOutOfMemory,
                            ForeignBufferError, InvalidInputError, OutOfMemoryError)
 from gpumem.fallback import FallbackBuffer
+from gpumem.measure import manager_peaks
 from gpumem.pressure import MemoryPressure, PressureCallback, pressure_level
 from gpumem.stats import MemoryStats
 from gpumem.units import format_bytes
@@ -26,6 +28,7 @@ from gpumem.units import format_bytes
 if TYPE_CHECKING:
     from gpumem.batch import BufferBatch
     from gpumem.history import HistoryRecorder
+    from gpumem.measure import Measurement, PeakWindows
 
 __all__ = ["MemoryManager", "OomCallback"]
 
@@ -59,7 +62,13 @@ class MemoryManager(ManagerCore):
     1048576
     """
 
-    def __init__(self, device: str | Device = "sim:0", config: MemoryConfig | None = None) -> None:
+    def __init__(self, device: str | Device | None = None,
+                 config: MemoryConfig | None = None) -> None:
+        """``device``: a device string (``"cuda:0"``, ``"opencl:0"``, ``"cpu"``, ``"sim:0"``,
+        ``"sim:80GiB"``) or an opened Device; None: ``gpumem.backends.default_device()`` (a
+        real accelerator, never an uninstalled simulated device)."""
+        if device is None:
+            device = default_device()
         if config is None:
             config = MemoryConfig.from_env()
         elif not isinstance(config, MemoryConfig):
@@ -99,11 +108,13 @@ class MemoryManager(ManagerCore):
         self._streams: set[int] = {0}
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._frag_warned = False
+        self._peak_windows: PeakWindows | None = None     # made by the first measure()
         self.tracker = None
         if config.track_allocations:
             from gpumem.tracking import AllocationTracker
             self.tracker = AllocationTracker(self, capture_stacks=config.track_stacks)
             self.add_observer(self.tracker)
+        peers.register(self)
 
     # --- properties -----------------------------------------------------------------------
     @property
@@ -169,7 +180,8 @@ class MemoryManager(ManagerCore):
 
     def _malloc_device(self, nbytes: int, stream: int, tag: Any) -> Buffer | None:
         """Ladder: cache -> idle streams' cache -> new segment -> release cache and retry ->
-        OOM callbacks and retry. None when all fail."""
+        other managers on this device release their caches, retry -> OOM callbacks and retry.
+        None when all fail."""
         with self._slow:
             if self._closed:
                 raise ClosedManagerError(f"the manager for {self.device_string} is closed")
@@ -185,6 +197,8 @@ class MemoryManager(ManagerCore):
                 # blocks freed after use on other streams: wait for those streams, then retry
                 buf = self._alloc_cached(nbytes, stream, tag) or self._grow(nbytes, stream, tag)
             if buf is None and self._release_cached(reason="retry after a failed growth"):
+                buf = self._grow(nbytes, stream, tag)
+            if buf is None and peers.release_peer_caches(self):
                 buf = self._grow(nbytes, stream, tag)
             if buf is None and self._oom_callbacks:
                 for callback in list(self._oom_callbacks):
@@ -443,11 +457,17 @@ class MemoryManager(ManagerCore):
         self._trim_cache()
 
     def reset_peak_stats(self) -> None:
-        self.pool.reset_peaks()
+        """Restart the peak counters of ``stats()`` from what is held now."""
+        if self._peak_windows is not None:
+            self._peak_windows.reset()            # open measure() blocks keep their peaks
+        else:
+            self.pool.reset_peaks()
 
     # --- statistics ----------------------------------------------------------------------------------
     def stats(self) -> MemoryStats:
         c = self.pool.counters(consistent=True)
+        # measure() blocks reset the pool's peak counters: the manager's peaks come from here
+        c["peak_in_use_bytes"], c["peak_reserved_bytes"] = manager_peaks(self, c)
         return MemoryStats(
             device=self.device_string,
             total_allocated_bytes=c["reserved_bytes"],
@@ -567,6 +587,20 @@ class MemoryManager(ManagerCore):
         return self._executor.submit(self.malloc, int(nbytes), stream=stream, tag=tag)
 
     # --- seeing memory ----------------------------------------------------------------------------
+    def measure(self) -> "Measurement":
+        """``with mm.measure() as m: ...`` then ``m.stats``: what changed inside the block
+        (allocations, frees, hits, misses, bytes) and its peak (see gpumem.measure)."""
+        from gpumem.measure import Measurement
+        self._check_open()
+        return Measurement(self)
+
+    def memory_summary(self, *, top_tags: int = 5) -> str:
+        """A table a person reads at a glance: reserved, in use, cached, peaks, fallback,
+        hits/misses, segments by pool and size class, largest free block, pressure, and the
+        top tags by bytes when tracking is on (see gpumem.summary)."""
+        from gpumem.summary import memory_summary
+        return memory_summary(self, top_tags=top_tags)
+
     def snapshot(self) -> dict:
         """Segments and blocks as a plain, JSON-ready dict (see gpumem.snapshot)."""
         from gpumem.snapshot import take_snapshot

@@ -36,6 +36,7 @@ from gpumem.errors import (ClosedManagerError, ForeignBufferError, InvalidDevice
                            InvalidInputError)
 from gpumem.fallback import FallbackBuffer
 from gpumem.manager import MemoryManager
+from gpumem.measure import manager_peaks
 from gpumem.stats import MemoryStats
 
 __all__ = ["MultiDeviceManager", "PlacementPolicy", "POLICIES"]
@@ -57,7 +58,8 @@ def _available_devices() -> list[str]:
 class MultiDeviceManager(PlacementCore):
     """A MemoryManager per device with one placement entry point.
 
-    ``devices``: ``None`` (every available cuda, opencl and sim device, no cpu), or a list of
+    ``devices``: ``None`` (every available cuda and opencl device, and the *installed* sim
+    devices: a simulated device is never used unless asked for; no cpu), or a list of
     device strings (a manager is created for each, with ``config``) and/or MemoryManagers (used
     as they are). Managers it created are closed by :meth:`close`; managers passed in belong to
     the caller and are left open.
@@ -310,7 +312,7 @@ class MultiDeviceManager(PlacementCore):
         for m in self._managers:
             c = m.pool.counters()
             allocated += c["in_use_bytes"]
-            peak += c["peak_in_use_bytes"]
+            peak += manager_peaks(m, c)[0]
         return allocated, peak
 
     def emergency_cleanup_all(self) -> int:
