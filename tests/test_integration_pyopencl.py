@@ -242,8 +242,21 @@ def test_host_fallback_is_refused_not_handed_to_pyopencl(gm_cl):
         m.close()
 
 
-def test_manager_none_without_shared_managers_says_what_to_pass(gm_cl, monkeypatch):
+def test_manager_none_is_the_shared_opencl_manager(gm_cl, monkeypatch):
+    """allocator() with no manager uses gpumem.get_manager's shared manager of the default
+    device when that is OpenCL, else of opencl:0 (here: no CUDA, PoCL is no GPU)."""
     import gpumem
-    monkeypatch.delattr(gpumem, "get_manager", raising=False)
-    with pytest.raises(InvalidInputError, match="pass a MemoryManager"):
-        gm_cl.allocator()
+    import pyopencl.array as cla
+    monkeypatch.delenv("GPUMEM_DEVICE", raising=False)
+    try:
+        alloc = gm_cl.allocator()
+        assert alloc.manager is gpumem.get_manager("opencl:0")
+        a = cla.zeros(alloc.queue, 10, np.float32, allocator=alloc)
+        assert alloc.manager.stats().in_use_bytes > 0
+        del a
+        gc.collect()
+        assert alloc.manager.stats().in_use_bytes == 0
+        monkeypatch.setenv("GPUMEM_DEVICE", "opencl:0")
+        assert gm_cl.allocator().manager is alloc.manager
+    finally:
+        gpumem.get_manager("opencl:0").close()

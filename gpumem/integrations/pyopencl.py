@@ -95,19 +95,26 @@ class PyOpenCLAllocator(functools.partial):
 
 
 def _default_manager() -> MemoryManager:
-    import gpumem
-    get_manager = getattr(gpumem, "get_manager", None)
-    if get_manager is None:
-        raise InvalidInputError(
-            "manager=None needs gpumem.get_manager(), which this gpumem does not have: pass a "
-            "MemoryManager on an OpenCL device, e.g. allocator(gpumem.MemoryManager('opencl:0'))")
-    return get_manager()
+    """The shared manager (``gpumem.get_manager``) of the default device when that is an
+    OpenCL device, else of ``opencl:0``."""
+    from gpumem.backends import default_device
+    from gpumem.errors import InvalidDeviceError
+    from gpumem.shared import get_manager
+    try:
+        device = default_device()
+    except InvalidDeviceError:
+        device = "opencl:0"             # no default device: the first OpenCL device
+    if not device.startswith("opencl:"):
+        device = "opencl:0"
+    return get_manager(device)
 
 
 def allocator(manager: MemoryManager | None = None, *, stream: int = 0) -> PyOpenCLAllocator:
-    """An allocator for ``pyopencl.array`` backed by ``manager``'s pool (None: the shared
-    manager, ``gpumem.get_manager()``). ``stream``: the manager's stream the blocks belong to;
-    its queue is ``allocator(...).queue``."""
+    """An allocator for ``pyopencl.array`` backed by ``manager``'s pool. None: the shared
+    manager (``gpumem.get_manager``) of the default device when that is an OpenCL device
+    (``GPUMEM_DEVICE=opencl:N``, or the first OpenCL GPU where there is no CUDA device), else
+    of ``opencl:0``. ``stream``: the manager's stream the blocks belong to; its queue is
+    ``allocator(...).queue``."""
     if manager is None:
         manager = _default_manager()
     if not isinstance(manager, MemoryManager):
