@@ -153,7 +153,8 @@ cdef class Buffer:
     @property
     def native(self):
         """The backend's own object for these bytes: the address for cuda/cpu/sim, a
-        pyopencl sub-buffer for OpenCL (None for a zero-length buffer there)."""
+        pyopencl sub-buffer for OpenCL (None for a zero-length buffer there), cached: the same
+        object each time the pool hands out the same range. Do not release() it."""
         # A device with a `native_cache` dict (OpenCL) maps ptr -> (nbytes, object, ...);
         # a hit skips the Python call into device.resolve().
         cdef dict cache = self._owner._native_cache

@@ -16,8 +16,8 @@ the block around it; a request of another size at the same address replaces the 
 ``Buffer.native`` reads this dict directly (no lock: single dict reads are atomic) and calls
 :meth:`OpenCLDevice.resolve` only on a miss. It holds at most ``native_cache_limit`` entries
 (oldest dropped first); ``free_segment`` and ``close`` drop a segment's entries before the
-segment's buffer is released. Entries are only dereferenced, never ``release()``-d, so a
-sub-buffer a caller still holds stays valid (OpenCL keeps its parent alive meanwhile).
+segment's buffer is released. Entries are only dropped, never ``release()``-d, so a sub-buffer
+a caller still holds stays valid (OpenCL keeps its parent alive meanwhile).
 
 Thread safety: each ``OpenCLDevice`` has one lock, ``_lock``, that owns its segments, queues,
 events and every write to ``native_cache``. ``_held`` (bytes held per device index, for the
