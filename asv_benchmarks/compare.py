@@ -8,7 +8,9 @@ sim     C-level pool hit pair (the .pxd API, compiled _cbench), the O(1) check (
         cached free blocks, one run), Python-level hit pair and mixed workload on a 1 TiB
         simulated device, trace replay (time, peak reserved / peak live).
 opencl  gpumem MemoryManager("opencl:0") vs pyopencl.tools.MemoryPool(ImmediateAllocator(queue))
-        on the same device and context: hit pair, mixed sizes, trace replay (+ peak held).
+        on the same device and context: hit pair, the kernel-ready pair (malloc + buf.native +
+        free vs allocate + release), pyopencl arrays created and dropped through each pool
+        (gpumem.integrations.pyopencl.allocator), mixed sizes, trace replay (+ peak held).
 cuda    gpumem MemoryManager("cuda:0") vs raw cuMemAlloc/cuMemFree, cuMemAllocAsync/FreeAsync
         on a stream, cuda.core DeviceMemoryResource, CuPy MemoryPool, torch's caching allocator;
         each peer is skipped with the reason when its package (or the GPU) is absent.
@@ -86,6 +88,27 @@ class Timer:
         finally:
             if gc_on:
                 gc.enable()
+
+    def paired(self, runs: dict, ops: dict, base: str) -> dict:
+        """Many short rounds, peers back to back in alternating order, for figures whose gap is
+        smaller than the machine's drift. {name: run}, {name: ops per round}; returns {name:
+        (ns per op for each round, median over rounds of this round's ns / base's ns)}."""
+        rounds = 61 if self.quick else 201
+        gc_on = gc.isenabled()
+        gc.disable()
+        try:
+            out: dict = {name: [] for name in runs}
+            names = list(runs)
+            for r in range(rounds):
+                for name in (names if r % 2 else names[::-1]):
+                    t0 = time.perf_counter_ns()
+                    runs[name](ops[name])
+                    out[name].append((time.perf_counter_ns() - t0) / ops[name])
+        finally:
+            if gc_on:
+                gc.enable()
+        return {name: (samples, statistics.median(a / b for a, b in zip(samples, out[base])))
+                for name, samples in out.items()}
 
     def ns_per_op(self, run) -> list[float]:
         return self.interleaved({"x": run})["x"]
@@ -174,8 +197,8 @@ class Peer:
 
 
 class GpumemPeer(Peer):
-    def __init__(self, device: str, name: str = "gpumem", native: bool = False, config=None):
-        self.device, self.name, self.native, self.config = device, name, native, config
+    def __init__(self, device: str, name: str = "gpumem", config=None):
+        self.device, self.name, self.config = device, name, config
 
     def open(self):
         from gpumem import MemoryManager
@@ -188,16 +211,7 @@ class GpumemPeer(Peer):
         from gpumem import MemoryManager
         mm = MemoryManager(self.device, self.config)
         self.last = mm
-        if self.native:
-            malloc = mm.malloc
-
-            def alloc(n):
-                buf = malloc(n)
-                buf.native                     # the backend object (an OpenCL sub-buffer)
-                return buf
-        else:
-            alloc = mm.malloc
-        return Inst(alloc, mm.free, mm.close,
+        return Inst(mm.malloc, mm.free, mm.close,
                     peak=lambda: mm.pool.counters()["peak_reserved_bytes"])
 
 
@@ -227,6 +241,106 @@ class PyOpenCLPeer(Peer):
 
     def shutdown(self):
         self.mm.close()
+
+
+def bench_kernel_ready(timer: Timer, n: int = 4 * KiB) -> None:
+    """What an OpenCL user pays per block a kernel can take: gpumem's ``malloc`` + ``.native``
+    (the cached sub-buffer) + ``free`` against pyopencl's ``MemoryPool.allocate`` (already a
+    kernel argument) + ``release``; same context, each loop written inline."""
+    import pyopencl.tools as cl_tools
+    from gpumem import MemoryManager
+    bench = f"kernel-ready pair {fmt_size(n)}"
+    mm = MemoryManager("opencl:0")
+    pool = cl_tools.MemoryPool(cl_tools.ImmediateAllocator(mm.device.queue(0)))
+    try:
+        malloc, free = mm.malloc, mm.free
+        allocate, release = pool.allocate, cl_tools.PooledBuffer.release
+
+        def gpumem(k):
+            for _ in range(k):
+                b = malloc(n)
+                b.native
+                free(b)
+
+        def gpumem_address(k):
+            for _ in range(k):
+                b = malloc(n)
+                b.ptr
+                free(b)
+
+        def pyopencl(k):
+            for _ in range(k):
+                b = allocate(n)
+                release(b)
+
+        f1, f2 = abs, abs
+
+        def floor(k):
+            for _ in range(k):
+                b = f1(n)
+                f2(b)
+        runs = {"gpumem": gpumem, "gpumem, address only (.ptr)": gpumem_address,
+                "pyopencl MemoryPool": pyopencl, "python loop + 2 calls": floor}
+        for run in runs.values():
+            run(100)                         # warm: segments made, sub-buffer cached
+        ops = dict.fromkeys(runs, 5000)
+        for name, (samples, paired) in timer.paired(runs, ops, "gpumem").items():
+            record(bench, name, samples, paired_ratio=paired,
+                   note="reference: loop cost in every row" if "loop" in name else "")
+    finally:
+        pool.stop_holding()
+        mm.close()
+
+
+def bench_pyopencl_arrays(timer: Timer, n: int = 1024) -> None:
+    """``pyopencl.array.Array(queue, (n,), float32, allocator=...)`` created and dropped, and
+    ``a + b`` (a kernel launch plus a result array), with gpumem's allocator
+    (``gpumem.integrations.pyopencl``), pyopencl's MemoryPool and no allocator (a fresh
+    ``cl.Buffer`` per array), one queue of one context."""
+    import numpy as np
+    import pyopencl.array as cla
+    import pyopencl.tools as cl_tools
+    from gpumem import MemoryManager
+    from gpumem.integrations.pyopencl import allocator
+    mm = MemoryManager("opencl:0")
+    queue = mm.device.queue(0)
+    pool = cl_tools.MemoryPool(cl_tools.ImmediateAllocator(queue))
+    allocators = {"gpumem": allocator(mm), "pyopencl MemoryPool": pool,
+                  "no allocator (cl.Buffer each)": None}
+    try:
+        Array, f32 = cla.Array, np.dtype(np.float32)
+        create = {}
+        for name, alloc in allocators.items():
+            def run(k, alloc=alloc):
+                for _ in range(k):
+                    Array(queue, (n,), f32, allocator=alloc)
+            create[name] = run
+        for run in create.values():
+            run(100)
+        for name, (samples, paired) in timer.paired(create, dict.fromkeys(create, 200),
+                                                    "gpumem").items():
+            record(f"pyopencl Array create+drop {n} float32", name, samples,
+                   paired_ratio=paired)
+        add = {}
+        x = np.arange(n, dtype=np.float32)
+        for name, alloc in allocators.items():
+            a = cla.to_device(queue, x, allocator=alloc)
+            b = cla.to_device(queue, x, allocator=alloc)
+
+            def run(k, a=a, b=b):
+                for _ in range(k):
+                    a + b
+                queue.finish()
+            add[name] = run
+        for run in add.values():
+            run(20)
+        for name, (samples, paired) in timer.paired(add, dict.fromkeys(add, 100),
+                                                    "gpumem").items():
+            record(f"pyopencl a + b {n} float32", name, samples, paired_ratio=paired)
+    finally:
+        allocators.clear()
+        pool.stop_holding()
+        mm.close()
 
 
 # --- CUDA (written against the documented APIs; not runnable on the machine the figures in
@@ -750,20 +864,18 @@ def run_opencl(timer: Timer, args) -> dict:
           f"{total / 2**30:.2f} GiB reported, gpumem usable {usable / 2**30:.2f} GiB")
     NOTES.append(f"opencl:0 = {props.name} on {props.extra.get('platform')}, "
                  f"global memory {total / 2**30:.2f} GiB")
-    peers = open_peers([GpumemPeer("opencl:0"),
-                        GpumemPeer("opencl:0", name="gpumem + .native sub-buffer", native=True),
-                        PyOpenCLPeer("opencl:0")])
+    peers = open_peers([GpumemPeer("opencl:0"), PyOpenCLPeer("opencl:0")])
     bench_hit_pairs(timer, peers)
+    bench_kernel_ready(timer)
+    bench_pyopencl_arrays(timer)
     live = args.live or fitting_live_count(budget)
     if live < 10_000 and not args.live:
         NOTES.append(f"mixed: {live} live buffers instead of 10,000 (10,000 of mean "
                      f"{log_uniform_mean(KiB, 4 * MiB) / 2**10:.0f} KiB would not fit in "
                      f"{budget / 2**30:.2f} GiB)")
-    # the .native variant is left out here: two gpumem managers on one OpenCL device share
-    # its free-memory estimate, so together they would not fit
-    bench_mixed(timer, [p for p in peers if "native" not in p.name], live=live, warmup=5_000)
+    bench_mixed(timer, peers, live=live, warmup=5_000)
     if not args.no_traces:
-        bench_traces(timer, [p for p in peers if "native" not in p.name], budget=budget)
+        bench_traces(timer, peers, budget=budget)
     for p in peers:
         p.shutdown()
     return {}
@@ -834,6 +946,8 @@ def summarize(backend: str, summary: dict) -> list[str]:
                                f"{(r['median'] - floor) / (g - floor):.2f}x")
                     lines.append(f"hit pair {n}: {r['peer']} {r['median']:.0f} ns / gpumem "
                                  f"{g:.0f} ns = {ratio:.2f}x{target}{net}")
+    if backend == "opencl":
+        lines.extend(_opencl_goal_lines())
     for r in RESULTS:
         if r.get("bench", "").startswith("mixed") and "median" in r:
             lines.append(f"{r['bench']}: {r['peer']} {r['median']:.0f} ns per step")
@@ -841,6 +955,27 @@ def summarize(backend: str, summary: dict) -> list[str]:
         if r.get("bench", "").startswith("peak held/peak live"):
             lines.append(f"{r['bench'][len('peak held/peak live '):]}: {r['peer']} "
                          f"peak held / peak live {r['median']:.3f}")
+    return lines
+
+
+def _opencl_goal_lines() -> list[str]:
+    """Issue 12 item 1: kernel-ready pair >= 1.5x faster than pyopencl's pool; pyopencl arrays
+    through gpumem no slower than through pyopencl's pool. Ratios are paired: the median over
+    rounds of (pyopencl / gpumem) measured back to back."""
+    def row(bench, peer):
+        return next((r for r in RESULTS if r.get("bench") == bench and r.get("peer") == peer
+                     and "paired_ratio" in r), None)
+    lines = []
+    for bench, what, target in (
+            ("kernel-ready pair 4 KiB", "malloc + .native + free", 1.5),
+            ("pyopencl Array create+drop 1024 float32", "allocator", 1.0),
+            ("pyopencl a + b 1024 float32", "allocator", 1.0)):
+        g, p = row(bench, "gpumem"), row(bench, "pyopencl MemoryPool")
+        if g and p:
+            ratio = p["paired_ratio"]
+            lines.append(f"{bench}: pyopencl MemoryPool {fmt_value(p['median'], 'ns')} / gpumem "
+                         f"({what}) {fmt_value(g['median'], 'ns')}; paired ratio {ratio:.2f}x "
+                         f"(target >= {target}x: {'met' if ratio >= target else 'MISSED'})")
     return lines
 
 

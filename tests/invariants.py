@@ -169,6 +169,12 @@ def _check_device(manager: Any, segs: list[dict], reserved: int) -> None:
     elif backend == "opencl":
         for s in segs:
             assert dev.segment_size(s["handle"]) == s["size"]
+        # every cached sub-buffer (Buffer.native) lies inside a segment the pool still has
+        by_handle = {s["handle"]: s for s in segs}
+        for ptr, (nbytes, _sub, handle) in list(dev.native_cache.items()):
+            s = by_handle.get(handle)
+            assert s is not None, f"native_cache holds {ptr:#x} of released segment {handle}"
+            assert s["base"] <= ptr and ptr + nbytes <= s["base"] + s["size"], (ptr, nbytes, s)
 
 
 def check(manager: Any, live: Iterable[Any] | None = None) -> None:

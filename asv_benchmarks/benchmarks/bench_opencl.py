@@ -3,8 +3,10 @@ on the same device and context. Skipped (NotImplementedError) without pyopencl o
 device; PoCL (``pip install pocl-binary-distribution``) provides one on any CPU.
 
 Peers: ``gpumem`` (``mm.free(mm.malloc(n))``), ``gpumem+native`` (the same plus ``buf.native``,
-the ``cl.Buffer`` sub-buffer a kernel would take: pyopencl's pool hands out a usable buffer
-directly, gpumem builds the sub-buffer on request), ``pyopencl`` (``pool.allocate(n).release()``).
+the ``cl.Buffer`` sub-buffer a kernel takes, cached per block range), ``pyopencl``
+(``pool.allocate(n).release()``: pyopencl's pool hands out a kernel-ready buffer directly).
+``PyOpenCLArrays`` creates and drops ``pyopencl.array.Array`` objects through gpumem's allocator
+(``gpumem.integrations.pyopencl``), pyopencl's pool, or none (a ``cl.Buffer`` each).
 """
 from . import (KiB, MiB, MixedWorkload, device_budget, fitting_live_count, opencl_available,
                pyopencl_pool_for)
@@ -44,6 +46,63 @@ class _OpenCL:
                 return buf
             return alloc, self.mm.free
         return self.mm.malloc, self.mm.free
+
+
+class KernelReady(_OpenCL):
+    """malloc + the object a kernel takes + free, written inline (no helper call): gpumem's
+    ``buf.native`` against pyopencl's pool, whose ``allocate`` result is already one."""
+
+    params = [["gpumem", "pyopencl"]]
+    param_names = ["peer"]
+
+    def setup(self, peer):
+        self._open(peer)
+        self.time_pairs_1000(peer)
+
+    def teardown(self, peer):
+        self._close()
+
+    def time_pairs_1000(self, peer):
+        if peer == "pyopencl":
+            allocate, release = self.pool.allocate, self.release
+            for _ in range(1000):
+                b = allocate(4 * KiB)
+                release(b)
+        else:
+            malloc, free = self.mm.malloc, self.mm.free
+            for _ in range(1000):
+                b = malloc(4 * KiB)
+                b.native
+                free(b)
+
+
+class PyOpenCLArrays(_OpenCL):
+    """``pyopencl.array.Array(queue, (1024,), float32, allocator=...)`` created and dropped."""
+
+    params = [["gpumem", "pyopencl", "none"]]
+    param_names = ["peer"]
+
+    def setup(self, peer):
+        self._open(peer)
+        import numpy as np
+        import pyopencl.array as cla
+        self.Array, self.f32 = cla.Array, np.dtype(np.float32)
+        self.queue = self.mm.device.queue(0)
+        if peer == "gpumem":
+            from gpumem.integrations.pyopencl import allocator
+            self.allocator = allocator(self.mm)
+        else:
+            self.allocator = self.pool           # None for "none"
+        self.time_create_drop_100(peer)
+
+    def teardown(self, peer):
+        self.allocator = None
+        self._close()
+
+    def time_create_drop_100(self, peer):
+        Array, queue, f32, alloc = self.Array, self.queue, self.f32, self.allocator
+        for _ in range(100):
+            Array(queue, (1024,), f32, allocator=alloc)
 
 
 class HitPair(_OpenCL):

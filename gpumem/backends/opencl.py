@@ -9,6 +9,23 @@ integer range per device, never reused, so the pool's offset arithmetic works un
 resolves to a sub-buffer of its segment (``Buffer.get_sub_region``); its offset must be a
 multiple of the device's ``CL_DEVICE_MEM_BASE_ADDR_ALIGN`` (given in bits by OpenCL).
 
+Sub-buffers are cached: ``native_cache`` maps a block's synthetic address to
+``(nbytes, sub-buffer, segment handle)``. Addresses are never reused, so an entry names one
+exact byte range of one live segment and stays right however the pool splits, merges or reuses
+the block around it; a request of another size at the same address replaces the entry.
+``Buffer.native`` reads this dict directly (no lock: single dict reads are atomic) and calls
+:meth:`OpenCLDevice.resolve` only on a miss. It holds at most ``native_cache_limit`` entries
+(oldest dropped first); ``free_segment`` and ``close`` drop a segment's entries before the
+segment's buffer is released. Entries are only dropped, never ``release()``-d, so a sub-buffer
+a caller still holds stays valid (OpenCL keeps its parent alive meanwhile).
+
+Thread safety: each ``OpenCLDevice`` has one lock, ``_lock``, that owns its segments, queues,
+events and every write to ``native_cache``. ``_held`` (bytes held per device index, for the
+free-memory estimate) has its own module lock.
+
+A program that already has a ``pyopencl.Context`` (and queue) opens a device on it with
+:meth:`OpenCLBackend.open_context`; gpumem then uses that context and that queue as stream 0.
+
 Free memory: OpenCL has no standard query. With ``cl_amd_device_attribute_query`` the driver's
 ``CL_DEVICE_GLOBAL_FREE_MEMORY_AMD`` is used; otherwise ``free`` is an *estimate*,
 ``global_mem_size`` minus the bytes this process holds in segments on that device (other
@@ -35,6 +52,10 @@ _INSTALL_HINT = "pyopencl is not installed (pip install gpumem[opencl])"
 # ranges of different devices never meet and never collide with 0 (NULL).
 ADDRESS_STRIDE = 1 << 48
 _MIN_ALIGNMENT = 256
+
+# Cached sub-buffers per device: host-side objects only (no device memory of their own), a few
+# hundred bytes each in the driver and pyopencl.
+NATIVE_CACHE_LIMIT = 8192
 
 # OpenCL status codes that mean "no memory" (cl.h).
 _CL_MEM_OBJECT_ALLOCATION_FAILURE = -4
@@ -139,14 +160,51 @@ class OpenCLBackend(Backend):
         platform, device = self._devices[index]
         return OpenCLDevice(cl, index, platform, device)
 
+    def open_context(self, context: Any, queue: Any = None, device: Any = None) -> OpenCLDevice:
+        """A device that uses an existing ``pyopencl.Context`` and, when given, its in-order
+        ``CommandQueue`` as stream 0 (else a new queue in that context). ``device`` picks one
+        of the context's devices (default: the queue's, else the context's only one)."""
+        cl = self._require()
+        if not isinstance(context, cl.Context):
+            raise InvalidInputError(f"context must be a pyopencl.Context, got "
+                                    f"{type(context).__name__}")
+        if queue is not None:
+            if not isinstance(queue, cl.CommandQueue):
+                raise InvalidInputError(f"queue must be a pyopencl.CommandQueue or None, got "
+                                        f"{type(queue).__name__}")
+            if queue.context != context:
+                raise InvalidInputError("queue belongs to another context than `context`")
+            if queue.properties & cl.command_queue_properties.OUT_OF_ORDER_EXEC_MODE_ENABLE:
+                raise InvalidInputError(
+                    "queue is out-of-order: gpumem reuses a freed block for work enqueued "
+                    "later on the same queue, which only an in-order queue makes safe")
+            if device is not None and queue.device != device:
+                raise InvalidInputError("queue is on another device than `device`")
+            device = queue.device
+        ctx_devices = context.devices
+        if device is None:
+            if len(ctx_devices) != 1:
+                raise InvalidInputError(
+                    f"the context has {len(ctx_devices)} devices: pass `device` (or a queue)")
+            device = ctx_devices[0]
+        elif device not in ctx_devices:
+            raise InvalidInputError(f"device {device.name.strip()!r} is not in the context")
+        for index, (platform, known) in enumerate(self._devices):
+            if known == device:
+                return OpenCLDevice(cl, index, platform, device, context=context, queue=queue)
+        raise InvalidInputError(
+            f"device {device.name.strip()!r} is not one of the OpenCL devices listed here "
+            f"(sub-devices are not supported): {', '.join(self.device_names())}")
+
 
 class _Segment:
-    __slots__ = ("buffer", "nbytes", "base")
+    __slots__ = ("buffer", "nbytes", "base", "cached")
 
     def __init__(self, buffer: Any, nbytes: int, base: int) -> None:
         self.buffer = buffer
         self.nbytes = nbytes
         self.base = base
+        self.cached: set[int] = set()      # addresses of this segment's native_cache entries
 
 
 class OpenCLDevice(Device):
@@ -155,14 +213,21 @@ class OpenCLDevice(Device):
 
     backend = "opencl"
 
-    def __init__(self, cl: Any, index: int, platform: Any, device: Any) -> None:
+    def __init__(self, cl: Any, index: int, platform: Any, device: Any, *,
+                 context: Any = None, queue: Any = None) -> None:
         self._cl = cl
         self.index = index
         self.platform = platform
         self.device = device
         self._lock = threading.RLock()
-        self._ctx: Any = None                         # made on first need: describe() is cheap
+        self._ctx: Any = context                      # made on first need: describe() is cheap
         self._queues: dict[int, Any] = {}
+        if context is not None:
+            self._queues[0] = queue if queue is not None else cl.CommandQueue(context, device)
+        #: synthetic address -> (nbytes, sub-buffer, segment handle); see the module docstring.
+        #: Only ever mutated in place: ManagerCore keeps a reference to this very dict.
+        self.native_cache: dict[int, tuple[int, Any, int]] = {}
+        self.native_cache_limit = NATIVE_CACHE_LIMIT
         self._segments: dict[int, _Segment] = {}
         self._handles = itertools.count(1)
         self._stream_ids = itertools.count(1)
@@ -276,6 +341,8 @@ class OpenCLDevice(Device):
     def free_segment(self, handle: int) -> None:
         with self._lock:
             seg = self._segments.pop(handle, None)
+            if seg is not None:
+                self._drop_cached(seg)
         if seg is None:
             raise InvalidInputError(
                 f"{self.device_string}: unknown segment handle {handle!r} "
@@ -305,12 +372,20 @@ class OpenCLDevice(Device):
         """The whole segment's ``pyopencl.Buffer``."""
         return self._segment(handle, 0, 0).buffer
 
+    def _drop_cached(self, seg: _Segment) -> None:
+        """Forget seg's native_cache entries (under _lock)."""
+        cache = self.native_cache
+        for ptr in seg.cached:
+            cache.pop(ptr, None)
+        seg.cached.clear()
+
     def resolve(self, handle: int, offset: int, nbytes: int) -> Any:
-        """A ``pyopencl.Buffer`` sub-buffer for ``[offset, offset + nbytes)`` of the segment.
+        """A ``pyopencl.Buffer`` sub-buffer for ``[offset, offset + nbytes)`` of the segment,
+        cached (see the module docstring): the same range resolves to the same object.
 
         ``offset`` must be a multiple of ``sub_buffer_alignment`` (OpenCL's rule for sub-buffer
         origins). ``nbytes == 0`` returns None: OpenCL has no empty buffers. The whole segment
-        resolves to the segment's own buffer.
+        resolves to the segment's own buffer. Do not ``release()`` the result: it is shared.
         """
         seg = self._segment(handle, offset, nbytes)
         if offset % self.sub_buffer_alignment:
@@ -320,12 +395,34 @@ class OpenCLDevice(Device):
                 f"(CL_DEVICE_MEM_BASE_ADDR_ALIGN = {self.sub_buffer_alignment * 8} bits)")
         if nbytes == 0:
             return None
+        ptr = seg.base + offset
+        entry = self.native_cache.get(ptr)
+        if entry is not None and entry[0] == nbytes and entry[2] == handle:
+            return entry[1]
         if offset == 0 and nbytes == seg.nbytes:
-            return seg.buffer
-        try:
-            return seg.buffer.get_sub_region(offset, nbytes)
-        except self._cl.Error as exc:
-            raise map_cl_error(self._cl, exc, "creating a sub-buffer") from None
+            sub = seg.buffer
+        else:
+            try:
+                sub = seg.buffer.get_sub_region(offset, nbytes)
+            except self._cl.Error as exc:
+                raise map_cl_error(self._cl, exc, "creating a sub-buffer") from None
+        with self._lock:
+            if self._segments.get(handle) is not seg:
+                return sub                     # freed meanwhile: not cached
+            cache = self.native_cache
+            old = cache.pop(ptr, None)          # another size at this address: replaced
+            while len(cache) >= self.native_cache_limit > 0:
+                oldest = next(iter(cache))
+                _, _, owner = cache.pop(oldest)
+                owner_seg = self._segments.get(owner)
+                if owner_seg is not None:
+                    owner_seg.cached.discard(oldest)
+            if self.native_cache_limit > 0:
+                cache[ptr] = (nbytes, sub, handle)
+                seg.cached.add(ptr)
+            elif old is not None:
+                seg.cached.discard(ptr)
+        return sub
 
     # --- data movement ---------------------------------------------------------------------------
     def copy_from_host(self, handle: int, offset: int, src: memoryview, stream: int = 0) -> None:
@@ -456,6 +553,7 @@ class OpenCLDevice(Device):
                 return
             segments = list(self._segments.values())
             queues = list(self._queues.values())
+            self.native_cache.clear()           # before the segments' buffers are released
             self._segments.clear()
             self._queues.clear()
             self._events.clear()

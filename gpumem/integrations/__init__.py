@@ -1,5 +1,6 @@
-"""Integrations with array frameworks (numpy & DLPack views, pyopencl, CuPy, Numba, PyTorch).
+"""Bridges between gpumem and array frameworks, one module per framework.
 
-Each submodule imports its framework lazily, inside its functions: importing
-``gpumem.integrations`` (or ``gpumem``) never imports a framework.
+Each module imports its framework lazily (inside the functions that need it), so importing
+``gpumem`` or this package never imports pyopencl, cupy, numba or torch. Import the module you
+need, e.g. ``from gpumem.integrations import pyopencl as gm_cl``.
 """
