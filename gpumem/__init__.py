@@ -10,11 +10,13 @@ import logging as _logging
 from gpumem._core.buffer import Buffer
 from gpumem._core.pool import CachingPool
 from gpumem.backends import devices
+from gpumem.buffer_protocol import AnyBuffer
 from gpumem.config import MemoryConfig
-from gpumem.errors import (BackendUnavailableError, ClosedManagerError, DoubleFreeError,
-                           DriverError, DriverOutOfMemory, ForeignBufferError, GpuMemoryError,
-                           InvalidDeviceError, InvalidInputError, OutOfMemoryError,
-                           TraceFormatError)
+from gpumem.errors import (BackendUnavailableError, ClosedManagerError, CpuFallbackWarning,
+                           DoubleFreeError, DriverError, DriverOutOfMemory, ForeignBufferError,
+                           GpuMemoryError, GpumemWarning, InvalidDeviceError,
+                           InvalidInputError, OutOfMemoryError, TraceFormatError,
+                           UnknownSettingWarning)
 from gpumem.batch import BufferBatch, allocate_batch, warmup
 from gpumem.estimate import (MODEL_PRESETS, MemoryEstimate, estimate_inference_memory,
                              estimate_model)
@@ -33,13 +35,14 @@ __version__ = "0.1.0"
 _logging.getLogger("gpumem").addHandler(_logging.NullHandler())
 
 __all__ = [
-    "Buffer", "CachingPool", "MemoryManager", "MemoryConfig", "MemoryStats", "MemoryPressure",
+    "AnyBuffer", "Buffer", "CachingPool", "MemoryManager", "MemoryConfig", "MemoryStats", "MemoryPressure",
     "FallbackBuffer", "BufferBatch", "MultiDeviceManager", "allocate_batch", "warmup",
     "estimate_inference_memory", "estimate_model", "MemoryEstimate", "MODEL_PRESETS",
     "select_backend_for_model", "devices", "format_bytes", "parse_size",
     "GpuMemoryError", "OutOfMemoryError", "InvalidInputError", "InvalidDeviceError",
     "DoubleFreeError", "ForeignBufferError", "ClosedManagerError", "BackendUnavailableError",
     "DriverError", "DriverOutOfMemory", "TraceFormatError",
+    "GpumemWarning", "CpuFallbackWarning", "UnknownSettingWarning",
 ]
 
 # --- seeing memory: loaded on first use, so "import gpumem" stays light (no csv, gzip, plots)

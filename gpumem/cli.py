@@ -9,6 +9,9 @@ Commands::
     gpumem plot TRACE OUT.png            live vs reserved memory over a trace
     gpumem demo                          what the allocator does, on a simulated device
 
+With ``--json -`` a command writes only JSON to stdout (newline-terminated) and its report to
+stderr, so ``gpumem replay T --json - | jq .`` works.
+
 Errors are one line on stderr (``gpumem: error: ...``) and a non-zero exit status: 1 for a bad
 input or a failure, 2 for a usage error or a replay that ran out of memory.
 """
@@ -23,8 +26,8 @@ from typing import Any, Sequence
 
 __all__ = ["main", "build_parser", "DEMO_TRACE"]
 
-#: the small trace shipped with gpumem: step 1 of resnet50_train from ../shared/traces
-#: (buffers live at the start of the step allocated first, everything freed at the end)
+#: the small trace shipped with gpumem: step 1 of resnet50_train from data/traces (buffers
+#: live at the start of the step allocated first, everything freed at the end)
 DEMO_TRACE = Path(__file__).resolve().parent / "data" / "resnet50_train_step1.csv.gz"
 
 EXIT_OK = 0
@@ -49,8 +52,18 @@ class _Parser(argparse.ArgumentParser):
         raise CliError(f"{message}{hint}", EXIT_USAGE)
 
 
+#: where the human-readable report goes: stdout, or stderr while stdout carries JSON
+_report_to_stderr = False
+
+
 def _out(text: str = "") -> None:
-    print(text, file=sys.stdout)
+    """A line of the report (stderr when the command writes JSON to stdout)."""
+    print(text, file=sys.stderr if _report_to_stderr else sys.stdout)
+
+
+def _json_out(obj: Any) -> None:
+    """JSON on stdout, newline-terminated."""
+    sys.stdout.write(json.dumps(obj, indent=1) + "\n")
 
 
 def _fb(n: float) -> str:
@@ -88,7 +101,7 @@ def cmd_info(args: argparse.Namespace) -> int:
                    pressure=pressure_level(ratio, config.pressure_thresholds).name)
         rows.append(row)
     if args.json:
-        _out(json.dumps(rows, indent=1))
+        _json_out(rows)
         return EXIT_OK
     _out(f"{'device':<10} {'name':<32} {'total':>11} {'free':>11} {'usable':>11}  pressure")
     for r in rows:
@@ -109,38 +122,55 @@ _SHAPE_FLAGS = ("hidden_size", "intermediate_size", "num_layers", "vocab_size", 
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
-    from gpumem.estimate import (MODEL_PRESETS, estimate_inference_memory, estimate_model,
-                                 parse_dtype)
+    from gpumem.estimate import MODEL_PRESETS, ModelShape, parse_dtype, preset
+    from gpumem.estimate_training import estimate_training_memory
     if args.list:
-        _out(f"{'preset':<14} {'parameters':>16}  layers  hidden  heads/kv")
-        for name, shape in sorted(MODEL_PRESETS.items()):
-            _out(f"{name:<14} {shape.parameter_count():>16,}  {shape.num_layers:>6}  "
-                 f"{shape.hidden_size:>6}  {shape.num_heads}/{shape.num_kv_heads}")
+        _out(f"{'preset':<14} {'parameters':>16}  layers  hidden  heads/kv  experts  max seq")
+        for name, sh in sorted(MODEL_PRESETS.items()):
+            experts = f"{sh.experts_per_token}/{sh.num_experts}" if sh.num_experts > 1 else "-"
+            _out(f"{name:<14} {sh.parameter_count():>16,}  {sh.num_layers:>6}  "
+                 f"{sh.hidden_size:>6}  {f'{sh.num_heads}/{sh.num_kv_heads}':>8}  "
+                 f"{experts:>7}  {sh.max_seq_len or '-':>7}")
         return EXIT_OK
     shape_given = [f for f in _SHAPE_FLAGS if getattr(args, f) is not None]
     if args.model and shape_given:
         raise CliError("give either --model or the shape flags, not both", EXIT_USAGE)
     if args.model:
-        est = estimate_model(args.model, args.seq_len, args.batch, args.dtype)
-        what = f"{args.model}"
+        shape = preset(args.model)
+        what = args.model
     else:
         missing = [f for f in _SHAPE_FLAGS if getattr(args, f) is None]
         if missing:
             raise CliError("give --model NAME (see --list) or every shape flag; missing "
                            + ", ".join("--" + m.replace("_", "-") for m in missing), EXIT_USAGE)
         kv = args.num_kv_heads if args.num_kv_heads is not None else args.num_heads
-        est = estimate_inference_memory(
-            args.hidden_size, args.intermediate_size, args.num_layers, args.vocab_size,
-            args.num_heads, kv, args.seq_len, parse_dtype(args.dtype), args.batch,
-            tie_embeddings=args.tie_embeddings, gated_mlp=not args.no_gated_mlp,
-            bias=args.bias, max_position_embeddings=args.max_position_embeddings,
-            norm=args.norm)
+        shape = ModelShape(args.hidden_size, args.intermediate_size, args.num_layers,
+                           args.vocab_size, args.num_heads, kv,
+                           tie_embeddings=args.tie_embeddings, gated_mlp=not args.no_gated_mlp,
+                           bias=args.bias, max_position_embeddings=args.max_position_embeddings,
+                           norm=args.norm)
         what = "custom model"
+    if args.seq_len is None and shape.max_seq_len is None \
+            and shape.max_position_embeddings is None:
+        raise CliError("give --seq-len (this model shape has no maximum sequence length)",
+                       EXIT_USAGE)
+    seq_len = args.seq_len if args.seq_len is not None else shape.default_seq_len()
+    parse_dtype(args.dtype)
+    if args.training:
+        est: Any = estimate_training_memory(shape, seq_len, args.batch, args.dtype,
+                                            optimizer=args.optimizer)
+        mode = f"training with {args.optimizer}"
+    else:
+        est = shape.estimate(seq_len, args.batch, args.dtype)
+        mode = "inference"
     if args.json:
-        _out(json.dumps({"model": what, "dtype": args.dtype, "seq_len": args.seq_len,
-                         "batch": args.batch, **est.as_dict()}, indent=1))
+        _json_out({"model": what, "mode": "training" if args.training else "inference",
+                   "optimizer": args.optimizer if args.training else None,
+                   "dtype": args.dtype, "seq_len": seq_len, "batch": args.batch,
+                   **est.as_dict()})
         return EXIT_OK
-    _out(f"{what}, {args.dtype}, batch {args.batch} x {args.seq_len} tokens")
+    default = "" if args.seq_len is not None else " (the model's maximum)"
+    _out(f"{what}, {mode}, {args.dtype}, batch {args.batch} x {seq_len} tokens{default}")
     _out(str(est))
     if args.device:
         from gpumem.manager import MemoryManager
@@ -200,10 +230,10 @@ def _write_outputs(res: Any, args: argparse.Namespace) -> None:
 
 
 def _write_json(obj: Any, dest: str) -> None:
-    text = json.dumps(obj, indent=1)
     if dest == "-":
-        _out(text)
+        _json_out(obj)
         return
+    text = json.dumps(obj, indent=1)
     try:
         Path(dest).write_text(text + "\n", encoding="utf-8")
     except OSError as exc:
@@ -264,7 +294,7 @@ def cmd_snapshot(args: argparse.Namespace) -> int:
     if args.json:
         from gpumem.snapshot import save_snapshot
         if args.json == "-":
-            _out(json.dumps(snap, indent=1))
+            _json_out(snap)
         else:
             try:
                 save_snapshot(snap, args.json)
@@ -418,10 +448,17 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--model", help="a preset, e.g. mistral-7b, llama-3-8b, gpt2 (see --list)")
     s.add_argument("--list", action="store_true", help="list the presets")
     s.add_argument("--dtype", default="float16", help="weight/activation dtype (default float16)")
-    s.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (2048)")
+    s.add_argument("--seq-len", type=int,
+                   help="tokens per sequence (default: the model's maximum)")
     s.add_argument("--batch", type=int, default=1, help="sequences per batch (1)")
     s.add_argument("--device", help="also say whether it fits on this device (e.g. cuda:0, "
                    "sim:24GiB)")
+    s.add_argument("--training", action="store_true",
+                   help="estimate a training step: weights, gradients, optimizer state, "
+                        "activations kept for the backward pass")
+    s.add_argument("--optimizer", default="adam",
+                   choices=("adam", "adamw", "sgd", "sgd-momentum"),
+                   help="optimizer for --training (adam)")
     s.add_argument("--json", action="store_true", help="print JSON")
     g = s.add_argument_group("model shape (instead of --model)")
     g.add_argument("--hidden-size", type=int)
@@ -502,6 +539,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help(sys.stderr)
         return EXIT_USAGE
+    global _report_to_stderr
+    _report_to_stderr = getattr(args, "json", None) == "-"
     handler = configure_logging(args.verbose)
     try:
         return args.func(args)
@@ -525,4 +564,5 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"traceback)", file=sys.stderr)
         return EXIT_ERROR
     finally:
+        _report_to_stderr = False
         remove_handler(handler)

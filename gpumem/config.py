@@ -1,16 +1,41 @@
-"""MemoryConfig: every knob of a MemoryManager, validated at construction."""
+"""MemoryConfig: every knob of a MemoryManager, validated at construction.
+
+``MemoryConfig.from_env()`` reads ``GPUMEM_<FIELD>`` variables and warns
+(:class:`gpumem.UnknownSettingWarning`) about any other ``GPUMEM_*`` variable it does not know,
+naming the known ones: a misspelled setting is never silently ignored.
+"""
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import os
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from gpumem.errors import InvalidInputError
+from gpumem.errors import InvalidInputError, UnknownSettingWarning
 from gpumem.units import GiB, MiB, parse_size
 
-__all__ = ["MemoryConfig"]
+__all__ = ["MemoryConfig", "MAX_BYTES", "OTHER_VARIABLES"]
+
+#: GPUMEM_* variables read elsewhere (besides GPUMEM_<FIELD> of MemoryConfig): from_env does
+#: not warn about these. Add a variable here when a module starts reading one.
+OTHER_VARIABLES = frozenset({
+    "GPUMEM_DEBUG",             # tracking on (config)
+    "GPUMEM_SIM_DEVICES",       # simulated devices (gpumem_sim)
+    "GPUMEM_HOST_PINNED",       # host backend pinning
+    "GPUMEM_CUDA_NATIVE",       # cuda backend: use the Cython fast path
+    "GPUMEM_TEST_BACKENDS",     # tests
+    "GPUMEM_BUILD_CUDA",        # setup.py
+    "GPUMEM_TRACES",            # benchmarks
+    "GPUMEM_VENV",              # ci scripts
+    "GPUMEM_CBENCH_DIR",        # benchmarks
+})
+
+#: the largest byte count (and count) a setting may hold: 4 EiB, far past any device, and small
+#: enough that the pool's size_t arithmetic (rounding, segment plus slack) cannot overflow
+MAX_BYTES = 1 << 62
 
 
 def _debug_env() -> bool:
@@ -107,6 +132,9 @@ class MemoryConfig:
                 f"{name} must be an int number of bytes, got {type(value).__name__} {value!r}")
         if value < 0:
             raise InvalidInputError(f"{name} must be >= 0, got {value}")
+        if value > MAX_BYTES:
+            raise InvalidInputError(
+                f"{name} must be <= 2**62 (4 EiB), got {value}")
 
     # --- presets ----------------------------------------------------------------------------
     @classmethod
@@ -178,6 +206,7 @@ class MemoryConfig:
         ``GPUMEM_MIN_FREE_BYTES=1GiB``, ``GPUMEM_CPU_FALLBACK_ENABLED=0``) over `base`."""
         env = os.environ if environ is None else environ
         base = base if base is not None else cls()
+        _warn_unknown_variables(env)
         changes: dict[str, Any] = {}
         for f in dataclasses.fields(cls):
             key = "GPUMEM_" + f.name.upper()
@@ -199,6 +228,16 @@ class MemoryConfig:
             names = ", ".join(f"GPUMEM_{n.upper()}={env.get('GPUMEM_' + n.upper(), '')!r}"
                               for n in culprits) or "GPUMEM_* variables"
             raise InvalidInputError(f"{names}: {exc}") from None
+
+
+def _warn_unknown_variables(env: Mapping[str, str]) -> None:
+    """An UnknownSettingWarning for each GPUMEM_* name that nothing in gpumem reads."""
+    known = OTHER_VARIABLES | {"GPUMEM_" + f.name.upper() for f in dataclasses.fields(MemoryConfig)}
+    for key in sorted(k for k in env if k.startswith("GPUMEM_") and k not in known):
+        close = difflib.get_close_matches(key, known, n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        warnings.warn(f"gpumem: unknown environment variable {key}{hint}; known: "
+                      f"{', '.join(sorted(known))}", UnknownSettingWarning, stacklevel=3)
 
 
 def _valid_alone(base: MemoryConfig, name: str, value: Any) -> bool:

@@ -37,9 +37,9 @@ SIM_CAPACITY = "1TiB"
 
 
 def traces_dir() -> Path:
-    """``$GPUMEM_TRACES`` or ``../shared/traces`` next to the repo."""
+    """``$GPUMEM_TRACES`` or the traces shipped in the repository (gpumem/data/traces)."""
     env = os.environ.get("GPUMEM_TRACES")
-    return Path(env) if env else REPO.parent / "shared" / "traces"
+    return Path(env) if env else REPO / "gpumem" / "data" / "traces"
 
 
 def trace_names() -> list[str]:

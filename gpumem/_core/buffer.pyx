@@ -266,10 +266,11 @@ cdef class ManagerCore:
     def _mark_closed(self) -> None:
         self._closed = True
 
-    def malloc(self, nbytes, *, stream=None, tag=None):
+    def malloc(self, nbytes, *, stream=None, tag=None, fallback=True):
         """A Buffer of at least nbytes on this manager's device (stream: int or an object with
         a `handle`), or a FallbackBuffer in host memory when the device is exhausted and CPU
-        fallback is on. Raises OutOfMemoryError when neither can serve."""
+        fallback is on (the config's ``cpu_fallback_enabled``, and `fallback` for this call).
+        Raises OutOfMemoryError when neither can serve."""
         cdef long long n
         cdef uint64_t s
         if type(nbytes) is int and 0 <= nbytes < _SIZE_TOO_BIG:
@@ -280,19 +281,24 @@ cdef class ManagerCore:
             s = 0
         else:
             s = self._stream_handle(stream)
-        return self._malloc_c(n, s, tag)
+        if fallback is True:                 # the hot path: one pointer comparison
+            return self._malloc_c(n, s, tag)
+        if fallback is False:
+            return self._malloc_c(n, s, tag, False)
+        raise InvalidInputError(f"fallback must be True or False, got "
+                                f"{type(fallback).__name__} {fallback!r}")
 
-    cdef object _malloc_c(self, long long n, uint64_t s, object tag):
-        """malloc after argument checks (shared with PlacementCore)."""
+    cdef object _malloc_c(self, long long n, uint64_t s, object tag, bint fallback=True):
+        """malloc after argument checks (shared with PlacementCore); `fallback` False: an
+        exhausted device raises OutOfMemoryError instead of returning host memory."""
         cdef gm_block* b
         if self._closed:
             raise ClosedManagerError(f"the manager for {self.device_string} is closed")
         if self.pending_free_bytes:
             self.collect_pending_frees()
-        if <size_t>n > self._max_request:
-            return self._malloc_slow(n, s, tag)
-        if gm_alloc(self._p, <size_t>n, s, &b) != GM_OK:
-            return self._malloc_slow(n, s, tag)
+        if <size_t>n > self._max_request or gm_alloc(self._p, <size_t>n, s, &b) != GM_OK:
+            return self._malloc_slow(n, s, tag) if fallback else \
+                self._malloc_slow(n, s, tag, False)
         return self._wrap(b, <size_t>n, s, tag)
 
     def free(self, buffer) -> None:
@@ -463,7 +469,7 @@ cdef class ManagerCore:
     def _check_stream(self, stream) -> None:
         pass
 
-    def _malloc_slow(self, nbytes, stream, tag):
+    def _malloc_slow(self, nbytes, stream, tag, fallback=True):
         raise TypeError("ManagerCore is abstract: use gpumem.MemoryManager")
 
     def _on_alloc(self, buf) -> None:
