@@ -199,3 +199,41 @@ def test_python_m_gpumem_errors_are_one_line(tmp_path):
     r = subprocess.run([sys.executable, "-m", "gpumem", "info"], capture_output=True,
                        text=True, cwd=REPO, env=env, timeout=120)
     assert r.returncode == 0 and "sim:0" in r.stdout
+
+
+# --- issue 15 item 10 ------------------------------------------------------------------------------
+@pytest.mark.parametrize("argv", [
+    ("replay", "demo", "--json", "-"),
+    ("snapshot", "--json", "-"),
+])
+def test_json_dash_writes_only_json_to_stdout(capsys, argv):
+    """real: with --json - stdout is one JSON document ending in a newline; the human report
+    goes to stderr."""
+    code, out, err = run(capsys, *argv)
+    assert code == 0, err
+    assert out.endswith("}\n")
+    json.loads(out)                  # nothing but JSON
+    assert err.strip()               # the report is still shown
+
+
+def test_estimate_defaults_and_training(capsys):
+    """real: `gpumem estimate --model gpt2` works with no --seq-len (the model's maximum,
+    1024); --training adds gradients and optimizer state; the MoE preset is listed."""
+    code, out, err = run(capsys, "estimate", "--model", "gpt2")
+    assert code == 0, err
+    assert "1024 tokens (the model's maximum)" in out
+    code, out, err = run(capsys, "estimate", "--model", "gpt2", "--json")
+    assert code == 0 and out.endswith("\n") and json.loads(out)["seq_len"] == 1024
+    code, out, err = run(capsys, "estimate", "--model", "gpt2", "--training", "--json",
+                         "--seq-len", "256")
+    d = json.loads(out)
+    assert code == 0 and d["mode"] == "training" and d["optimizer"] == "adam"
+    assert d["model_bytes"] + d["gradient_bytes"] + d["optimizer_bytes"] == 16 * 124_439_808
+    code, out, err = run(capsys, "estimate", "--model", "gpt2", "--training",
+                         "--optimizer", "sgd", "--seq-len", "256")
+    assert code == 0 and "gradients" in out and "training with sgd" in out
+    code, out, err = run(capsys, "estimate", "--list")
+    assert code == 0 and "mixtral-8x7b" in out and "2/8" in out
+    code, out, err = run(capsys, "estimate", "--hidden-size", "64", "--intermediate-size",
+                         "256", "--layers", "2", "--vocab-size", "100", "--heads", "8")
+    assert code == 2 and "--seq-len" in _one_error_line(err)
