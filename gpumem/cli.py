@@ -21,6 +21,7 @@ import argparse
 import json
 import logging
 import sys
+import warnings
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -308,9 +309,20 @@ def cmd_snapshot(args: argparse.Namespace) -> int:
 
 
 # --- demo ---------------------------------------------------------------------------------------------
+#: width of the demo's step labels (the longest label fits)
+_DEMO_LABEL = 50
+
+
 def _demo_step(mm: Any, label: str, fn: Any) -> Any:
+    # the label goes out before the step runs: an error the step raises is printed after it
+    sys.stdout.write(f"  {label:<{_DEMO_LABEL}} ")
+    sys.stdout.flush()
     before = mm.stats()
-    out = fn()
+    try:
+        out = fn()
+    except Exception as exc:
+        _out(f"{type(exc).__name__}")
+        raise
     after = mm.stats()
     hits = after.pool_hits - before.pool_hits
     misses = after.pool_misses - before.pool_misses
@@ -325,7 +337,7 @@ def _demo_step(mm: Any, label: str, fn: Any) -> Any:
         what.append(f"+{new_segs} segment{'s' if new_segs > 1 else ''}")
     if released:
         what.append(f"-{released} segment{'s' if released > 1 else ''}")
-    _out(f"  {label:<46} {', '.join(what) or 'no pool traffic':<30} "
+    _out(f"{', '.join(what) or 'no pool traffic':<30} "
          f"in use {_fb(after.in_use_bytes):>10}, reserved {_fb(after.total_allocated_bytes):>10}")
     return out
 
@@ -354,7 +366,7 @@ def _demo_manual(dev: Any) -> None:
             try:
                 step("malloc 1 GiB (more than the device)", lambda: mm.malloc(1 * GiB))
             except OutOfMemoryError as exc:
-                _out(f"    -> OutOfMemoryError: {exc}")
+                _out(f"    -> {exc}")
             fb = step("malloc 64 MiB (device nearly full: CPU fallback)",
                       lambda: mm.malloc(64 * MiB, tag="spill"))
             _out(f"    -> {fb!r}")
@@ -380,23 +392,32 @@ class _DropWarnings(logging.Filter):
 
 def cmd_demo(args: argparse.Namespace) -> int:
     import gpumem_sim
-    from gpumem.replay import replay
+    from gpumem.errors import CpuFallbackWarning
 
     _out("gpumem demo: a caching allocator on a simulated GPU (gpumem_sim, no GPU needed)")
     _out("")
     _out("1. Hand-made allocations on a simulated 256 MiB device")
     dev = gpumem_sim.SimDevice("256MiB", name="demo sim 256 MiB")
-    # the OOM and the fallback below are on purpose and printed here: keep their log
-    # warnings for -v
+    # the OOM, the fallback and the fragmentation below are on purpose and the demo prints
+    # them itself: their log warnings and the CpuFallbackWarning are kept for -v
     quiet = None if args.verbose else _DropWarnings()
     logger = logging.getLogger("gpumem")
     if quiet is not None:
         logger.addFilter(quiet)
     try:
-        _demo_manual(dev)
+        with warnings.catch_warnings():
+            if not args.verbose:
+                warnings.simplefilter("ignore", CpuFallbackWarning)
+            _demo_manual(dev)
+            _demo_replay(args)
     finally:
         if quiet is not None:
             logger.removeFilter(quiet)
+    return EXIT_OK
+
+
+def _demo_replay(args: argparse.Namespace) -> None:
+    from gpumem.replay import replay
 
     _out("")
     trace = args.trace or str(DEMO_TRACE)
@@ -426,7 +447,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if res.num_ooms:
         raise CliError(f"{res.num_ooms:,} allocation(s) of the trace did not fit on "
                        f"{args.device}", EXIT_OOM)
-    return EXIT_OK
 
 
 # --- parser -------------------------------------------------------------------------------------------

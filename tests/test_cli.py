@@ -237,3 +237,22 @@ def test_estimate_defaults_and_training(capsys):
     code, out, err = run(capsys, "estimate", "--hidden-size", "64", "--intermediate-size",
                          "256", "--layers", "2", "--vocab-size", "100", "--heads", "8")
     assert code == 2 and "--seq-len" in _one_error_line(err)
+
+
+def test_demo_output_is_clean_and_aligned(capsys):
+    """real (sim): a successful demo emits no warning (neither a Python warning nor a log
+    line on stderr), prints each step's label before its outcome (the 1 GiB OOM comes after
+    its label) with the outcome columns aligned, and names the replay device once."""
+    import warnings
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        code, out, err = run(capsys, "demo")
+    assert code == 0, err
+    assert err == "" and [str(w.message) for w in rec] == []
+    steps = [ln for ln in out.splitlines() if ln.startswith("  malloc") or ln.startswith("  free ")]
+    assert len(steps) >= 9
+    outcome_at = {next(i for i in range(52, len(ln)) if ln[i] != " ") for ln in steps}
+    assert len(outcome_at) == 1, steps
+    oom = out.index("malloc 1 GiB (more than the device)")
+    assert oom < out.index("out of memory on sim:0")
+    assert "sim(80.00 GiB) (80.00 GiB)" not in out
