@@ -58,6 +58,10 @@ _LAZY = {
     "AllocationTracker": ("gpumem.tracking", "AllocationTracker"),
     "BufferMetadata": ("gpumem.tracking", "BufferMetadata"),
     "HistoryRecorder": ("gpumem.history", "HistoryRecorder"),
+    "read_torch_snapshot": ("gpumem.torch_snapshot", "read_torch_snapshot"),
+    "export_memory_viz": ("gpumem.torch_snapshot", "export_memory_viz"),
+    "estimate_training_memory": ("gpumem.estimate_training", "estimate_training_memory"),
+    "TrainingEstimate": ("gpumem.estimate_training", "TrainingEstimate"),
 }
 
 

@@ -8,6 +8,7 @@ Commands::
     gpumem snapshot [--load FILE]        segments and blocks of a demo workload or a saved file
     gpumem plot TRACE OUT.png            live vs reserved memory over a trace
     gpumem demo                          what the allocator does, on a simulated device
+    gpumem import-torch SNAP -o TRACE    a PyTorch memory snapshot's history as a trace
 
 With ``--json -`` a command writes only JSON to stdout (newline-terminated) and its report to
 stderr, so ``gpumem replay T --json - | jq .`` works.
@@ -449,6 +450,27 @@ def _demo_replay(args: argparse.Namespace) -> None:
                        f"{args.device}", EXIT_OOM)
 
 
+# --- import-torch -------------------------------------------------------------------------------------
+def cmd_import_torch(args: argparse.Namespace) -> int:
+    from gpumem.torch_snapshot import read_torch_snapshot
+    from gpumem.trace import write_trace
+    data = read_torch_snapshot(args.snapshot, device=args.cuda_device, strict=args.strict)
+    try:
+        n = write_trace(args.output, data)
+    except OSError as exc:
+        raise CliError(f"cannot write {args.output}: {exc.strerror or exc}") from None
+    meta = data.metadata
+    _out(f"wrote {args.output}: {n:,} events ({data.n_allocs:,} allocs) of device "
+         f"{meta['device']}, peak live {_fb(data.peak_live_bytes)}")
+    if meta["orphan_frees"]:
+        _out(f"  left out {meta['orphan_frees']:,} free(s) of memory allocated before the "
+             f"recording started")
+    if meta["live_at_end"]:
+        _out(f"  {meta['live_at_end']:,} allocation(s) still live at the end (kept, no free)")
+    _out(f"next: gpumem replay {args.output} --device sim:24GiB")
+    return EXIT_OK
+
+
 # --- parser -------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     from gpumem.replay import CONFIG_PRESETS
@@ -533,6 +555,17 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--x", choices=("event", "time"), default="event", help="x axis")
     s.add_argument("--segments", metavar="PNG", help="also draw the segments at peak live")
     s.set_defaults(func=cmd_plot)
+
+    s = sub.add_parser("import-torch", help="turn a PyTorch memory snapshot "
+                       "(torch.cuda.memory._dump_snapshot) into a trace to replay")
+    s.add_argument("snapshot", help="the .pickle written by _dump_snapshot()")
+    s.add_argument("-o", "--output", required=True, metavar="TRACE",
+                   help="the trace to write (.csv or .csv.gz)")
+    s.add_argument("--cuda-device", type=int, metavar="N",
+                   help="which device's history (default: the only one recorded)")
+    s.add_argument("--strict", action="store_true",
+                   help="fail on a free whose allocation was not recorded (default: skip it)")
+    s.set_defaults(func=cmd_import_torch)
 
     s = sub.add_parser("demo", help="show what the allocator does, on a simulated device")
     s.add_argument("--trace", help=f"trace to replay (default: the packaged {DEMO_TRACE.name})")
