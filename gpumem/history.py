@@ -14,7 +14,7 @@ buffer's id, ``size`` its requested bytes and ``ptr`` its address (allocations o
 free, which pairs with its allocation by ``id``; :func:`gpumem.export_memory_viz` uses it). The ring keeps the newest ``max_entries`` events;
 ``dropped`` counts those pushed out.
 
-:meth:`HistoryRecorder.write` produces the ``../shared/traces`` format, so a recorded run can be
+:meth:`HistoryRecorder.write` produces the ``gpumem/data/traces`` format, so a recorded run can be
 replayed on any device or configuration:
 
 - ids are renumbered 0..N-1 in allocation order (as the shared traces are);

@@ -610,7 +610,7 @@ class MemoryManager(ManagerCore):
 
     def record_history(self, max_entries: int = 1_000_000) -> "HistoryRecorder":
         """Start recording alloc/free events into a ring buffer; returns the recorder (its
-        ``write(path)`` saves a trace in the ../shared/traces format)."""
+        ``write(path)`` saves a trace in the gpumem/data/traces format)."""
         from gpumem.history import HistoryRecorder
         self._check_open()
         recorder = HistoryRecorder(self, max_entries=max_entries)
