@@ -168,34 +168,43 @@ class MemoryConfig:
         return dataclasses.replace(self, **changes)
 
     def with_gpu_memory_fraction(self, fraction: float) -> "MemoryConfig":
+        """A copy using this fraction of the device (0, 1]."""
         return self.replace(gpu_memory_fraction=fraction)
 
     def with_cpu_fallback(self, enabled: bool) -> "MemoryConfig":
+        """A copy with CPU fallback on or off."""
         return self.replace(cpu_fallback_enabled=enabled)
 
     def with_min_free_bytes(self, nbytes: int | str) -> "MemoryConfig":
+        """A copy that leaves at least `nbytes` (int or "512MiB") free on the device."""
         return self.replace(min_free_bytes=parse_size(nbytes, what="min_free_bytes"))
 
     def with_tracking(self, enabled: bool = True, *, stacks: bool = False) -> "MemoryConfig":
+        """A copy with allocation tracking on or off (`stacks`: keep creation stacks)."""
         return self.replace(track_allocations=enabled, track_stacks=stacks)
 
     def with_max_pool_size(self, nbytes: int | str | None) -> "MemoryConfig":
+        """A copy that caps cached bytes at `nbytes` (int, "1GiB" or None: no cap)."""
         return self.replace(max_pool_size=None if nbytes is None
                             else parse_size(nbytes, what="max_pool_size"))
 
     def with_max_split_size(self, nbytes: int | str | None) -> "MemoryConfig":
+        """A copy whose cached blocks above `nbytes` are never split (None: all split)."""
         return self.replace(max_split_size=None if nbytes is None
                             else parse_size(nbytes, what="max_split_size"))
 
     def with_max_pooled_per_bucket(self, count: int) -> "MemoryConfig":
+        """A copy keeping at most `count` wholly free large segments per size class."""
         return self.replace(max_pooled_per_bucket=count)
 
     def with_reserve_bytes(self, nbytes: int | str | None) -> "MemoryConfig":
+        """A copy reserving `nbytes` of the device for others (None: the backend's advice)."""
         return self.replace(reserve_bytes=None if nbytes is None
                             else parse_size(nbytes, what="reserve_bytes"))
 
     def with_pressure_thresholds(self, medium: float, high: float,
                                  critical: float) -> "MemoryConfig":
+        """A copy with the fractions of usable memory where MEDIUM, HIGH, CRITICAL begin."""
         return self.replace(pressure_thresholds=(medium, high, critical))
 
     # --- environment --------------------------------------------------------------------------

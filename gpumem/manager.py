@@ -116,6 +116,7 @@ class MemoryManager(ManagerCore):
     # --- properties -----------------------------------------------------------------------
     @property
     def closed(self) -> bool:
+        """True once :meth:`close` has run."""
         return self._closed
 
     def memory_info(self) -> tuple[int, int]:
