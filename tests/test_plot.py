@@ -97,7 +97,7 @@ def test_without_matplotlib_says_what_to_install(monkeypatch, tmp_path):
         plot.plot_segments(_snapshot(), tmp_path / "x.png")
     assert "pip install gpumem-pool[plot]" in str(ei.value)
     assert isinstance(ei.value, ImportError) and isinstance(ei.value, GpuMemoryError)
-    with pytest.raises(ImportError, match=r"gpumem\[plot\]"):
+    with pytest.raises(ImportError, match=r"gpumem-pool\[plot\]"):
         plot.plot_timeline(DEMO, tmp_path / "y.png")
     assert not (tmp_path / "x.png").exists()
 
