@@ -1,4 +1,4 @@
-"""Build gpumem: the Cython core (C++ for std::atomic) plus the pure-Python packages.
+"""Build gpumem (distribution gpumem-pool): the Cython core (C++ for std::atomic) plus the pure-Python packages.
 
 The CUDA fast path (gpumem/backends/_cuda_native.pyx, cuda.bindings.cydriver calls without the
 GIL) is built only where cuda.h and cuda-python's .pxd files are both found at build time;
@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 
 from Cython.Build import cythonize
-from setuptools import Extension, find_packages, setup
+from setuptools import Extension, setup
 
 extra = ["-O3", "-std=c++17"] if os.name != "nt" else ["/O2", "/std:c++17"]
 
@@ -41,7 +41,7 @@ def cuda_native_extension() -> list[Extension]:
     ext = Extension("gpumem.backends._cuda_native", ["gpumem/backends/_cuda_native.pyx"],
                     language="c++", include_dirs=[include], extra_compile_args=extra)
     try:
-        built = cythonize([ext], compiler_directives=DIRECTIVES)
+        built = cythonize([ext], compiler_directives=DIRECTIVES, quiet=True)
     except Exception as exc:
         if wanted != "auto":
             raise
@@ -56,19 +56,23 @@ def cuda_native_extension() -> list[Extension]:
 
 
 DIRECTIVES = {"language_level": "3"}
-core = [Extension(f"gpumem._core.{name}", [f"gpumem/_core/{name}.pyx"], language="c++",
-                  extra_compile_args=extra)
-        for name in ("pool", "buffer")]
+
+#: the compiled modules: add an Extension here (C++ for std::atomic). Packages, data files and
+#: metadata live in pyproject.toml.
+EXTENSIONS = [
+    Extension(f"gpumem._core.{name}", [f"gpumem/_core/{name}.pyx"], language="c++",
+              extra_compile_args=extra)
+    for name in ("pool", "buffer")
+]
 # The C allocator torch loads with CUDAPluggableAllocator (gpumem.integrations.torch): an
 # ordinary extension whose two `cdef public` functions are exported with C linkage (Cython
 # gives public functions C++ linkage in a C++ module unless CYTHON_EXTERN_C says otherwise).
-core.append(Extension("gpumem.integrations._torch_alloc", ["gpumem/integrations/_torch_alloc.pyx"],
-                      language="c++", extra_compile_args=extra,
-                      define_macros=[("CYTHON_EXTERN_C", 'extern "C"')]))
+EXTENSIONS.append(Extension(
+    "gpumem.integrations._torch_alloc", ["gpumem/integrations/_torch_alloc.pyx"],
+    language="c++", extra_compile_args=extra, define_macros=[("CYTHON_EXTERN_C", 'extern "C"')]))
 
 setup(
-    packages=find_packages(include=["gpumem", "gpumem.*", "gpumem_sim", "gpumem_sim.*"]),
-    package_data={"gpumem._core": ["*.pxd", "*.pyi"], "gpumem": ["data/*.csv.gz", "py.typed"]},
-    ext_modules=cythonize(core, compiler_directives=DIRECTIVES) + cuda_native_extension(),
+    ext_modules=cythonize(EXTENSIONS, compiler_directives=DIRECTIVES, quiet=True)
+    + cuda_native_extension(),
     zip_safe=False,
 )

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Create (or reuse) the virtual environment .venv, install gpumem with the given extras and
-# build the Cython extensions in place, so both the installed package and the checkout import.
+# Create (or reuse) the virtual environment .venv and install this checkout into it, editable,
+# with the given extras: one installed copy, whose Cython extensions are built in place, so the
+# `gpumem` command, `import gpumem` and the checkout agree. A failed pip install stops here.
 # Usage: source ci/setup_env.sh "test,pocl,plot,cli"
+# After editing a .pyx: python setup.py -q build_ext --inplace
 set -euo pipefail
 EXTRAS="${1:-}"
 PYTHON="${PYTHON:-python3}"
@@ -11,7 +13,13 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 # shellcheck disable=SC1091
 . "$VENV/bin/activate"
-python -m pip install -q --upgrade pip setuptools wheel "Cython>=3.0" numpy 2>&1 | grep -v "^WARNING: Location" || true
+# pip itself fails loudly (set -o pipefail); only this machine's notes about absent local
+# package folders are dropped
+pip_install() {
+    python -m pip install -q "$@" 2>&1 | { grep -v "^WARNING: Location '.*' is ignored" || true; }
+}
+# the build runs in this venv (--no-build-isolation below), so its requirements come first
+pip_install --upgrade pip "setuptools>=77" wheel "Cython>=3.0" numpy
 # cuda-bindings must suit the installed NVIDIA driver (13.x needs a CUDA 13 driver), and gpumem's
 # CUDA fast path compiles cuda-python's .pxd files against the CUDA headers found here, which
 # must be of the same release. Pin cuda-bindings to the headers' version when the driver (if
@@ -40,10 +48,8 @@ if [[ ",$EXTRAS," == *",cuda,"* ]]; then
         echo "cuda-python constrained: $pin (headers: ${hv:-none}, driver CUDA: ${dv:-none})"
     fi
 fi
-if [ -n "$EXTRAS" ]; then
-    python -m pip install -q "${CONSTRAINTS[@]}" ".[$EXTRAS]" 2>&1 \
-        | grep -v "^WARNING: Location" || true
-else
-    python -m pip install -q . 2>&1 | grep -v "^WARNING: Location" || true
+if [[ ",$EXTRAS," == *",cuda,"* ]]; then
+    # before gpumem's build: its CUDA fast path compiles against cuda-python's .pxd files
+    pip_install "${CONSTRAINTS[@]}" "cuda-python>=12"
 fi
-python setup.py -q build_ext --inplace >/dev/null
+pip_install "${CONSTRAINTS[@]}" --no-build-isolation -e ".${EXTRAS:+[$EXTRAS]}"

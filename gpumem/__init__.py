@@ -10,11 +10,13 @@ import logging as _logging
 from gpumem._core.buffer import Buffer
 from gpumem._core.pool import CachingPool
 from gpumem.backends import default_device, devices
+from gpumem.buffer_protocol import AnyBuffer
 from gpumem.config import MemoryConfig
-from gpumem.errors import (BackendUnavailableError, ClosedManagerError, DoubleFreeError,
-                           DriverError, DriverOutOfMemory, ForeignBufferError, GpuMemoryError,
-                           InvalidDeviceError, InvalidInputError, OutOfMemoryError,
-                           TraceFormatError, UnsupportedOperationError)
+from gpumem.errors import (BackendUnavailableError, ClosedManagerError, CpuFallbackWarning,
+                           DoubleFreeError, DriverError, DriverOutOfMemory, ForeignBufferError,
+                           GpuMemoryError, GpumemWarning, InvalidDeviceError,
+                           InvalidInputError, OutOfMemoryError, TraceFormatError,
+                           UnknownSettingWarning, UnsupportedOperationError)
 from gpumem.batch import BufferBatch, allocate_batch, warmup
 from gpumem.estimate import (MODEL_PRESETS, MemoryEstimate, estimate_inference_memory,
                              estimate_model)
@@ -35,13 +37,15 @@ _logging.getLogger("gpumem").addHandler(_logging.NullHandler())
 
 __all__ = [
     "get_manager", "configure",
-    "Buffer", "CachingPool", "MemoryManager", "MemoryConfig", "MemoryStats", "MemoryPressure",
+    "AnyBuffer", "Buffer", "CachingPool", "MemoryManager", "MemoryConfig", "MemoryStats",
+    "MemoryPressure",
     "FallbackBuffer", "BufferBatch", "MultiDeviceManager", "allocate_batch", "warmup",
     "estimate_inference_memory", "estimate_model", "MemoryEstimate", "MODEL_PRESETS",
     "select_backend_for_model", "devices", "default_device", "format_bytes", "parse_size",
     "GpuMemoryError", "OutOfMemoryError", "InvalidInputError", "InvalidDeviceError",
     "DoubleFreeError", "ForeignBufferError", "ClosedManagerError", "BackendUnavailableError",
     "DriverError", "DriverOutOfMemory", "TraceFormatError", "UnsupportedOperationError",
+    "GpumemWarning", "CpuFallbackWarning", "UnknownSettingWarning",
 ]
 
 # --- seeing memory: loaded on first use, so "import gpumem" stays light (no csv, gzip, plots)
@@ -59,6 +63,10 @@ _LAZY = {
     "HistoryRecorder": ("gpumem.history", "HistoryRecorder"),
     "Measurement": ("gpumem.measure", "Measurement"),
     "MeasuredStats": ("gpumem.measure", "MeasuredStats"),
+    "read_torch_snapshot": ("gpumem.torch_snapshot", "read_torch_snapshot"),
+    "export_memory_viz": ("gpumem.torch_snapshot", "export_memory_viz"),
+    "estimate_training_memory": ("gpumem.estimate_training", "estimate_training_memory"),
+    "TrainingEstimate": ("gpumem.estimate_training", "TrainingEstimate"),
 }
 
 

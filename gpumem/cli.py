@@ -8,6 +8,10 @@ Commands::
     gpumem snapshot [--load FILE]        segments and blocks of a demo workload or a saved file
     gpumem plot TRACE OUT.png            live vs reserved memory over a trace
     gpumem demo                          what the allocator does, on a simulated device
+    gpumem import-torch SNAP -o TRACE    a PyTorch memory snapshot's history as a trace
+
+With ``--json -`` a command writes only JSON to stdout (newline-terminated) and its report to
+stderr, so ``gpumem replay T --json - | jq .`` works.
 
 Errors are one line on stderr (``gpumem: error: ...``) and a non-zero exit status: 1 for a bad
 input or a failure, 2 for a usage error or a replay that ran out of memory.
@@ -18,13 +22,14 @@ import argparse
 import json
 import logging
 import sys
+import warnings
 from pathlib import Path
 from typing import Any, Sequence
 
 __all__ = ["main", "build_parser", "DEMO_TRACE"]
 
-#: the small trace shipped with gpumem: step 1 of resnet50_train from ../shared/traces
-#: (buffers live at the start of the step allocated first, everything freed at the end)
+#: the small trace shipped with gpumem: step 1 of resnet50_train from data/traces (buffers
+#: live at the start of the step allocated first, everything freed at the end)
 DEMO_TRACE = Path(__file__).resolve().parent / "data" / "resnet50_train_step1.csv.gz"
 
 EXIT_OK = 0
@@ -49,8 +54,18 @@ class _Parser(argparse.ArgumentParser):
         raise CliError(f"{message}{hint}", EXIT_USAGE)
 
 
+#: where the human-readable report goes: stdout, or stderr while stdout carries JSON
+_report_to_stderr = False
+
+
 def _out(text: str = "") -> None:
-    print(text, file=sys.stdout)
+    """A line of the report (stderr when the command writes JSON to stdout)."""
+    print(text, file=sys.stderr if _report_to_stderr else sys.stdout)
+
+
+def _json_out(obj: Any) -> None:
+    """JSON on stdout, newline-terminated."""
+    sys.stdout.write(json.dumps(obj, indent=1) + "\n")
 
 
 def _fb(n: float) -> str:
@@ -88,7 +103,7 @@ def cmd_info(args: argparse.Namespace) -> int:
                    pressure=pressure_level(ratio, config.pressure_thresholds).name)
         rows.append(row)
     if args.json:
-        _out(json.dumps(rows, indent=1))
+        _json_out(rows)
         return EXIT_OK
     _out(f"{'device':<10} {'name':<32} {'total':>11} {'free':>11} {'usable':>11}  pressure")
     for r in rows:
@@ -109,38 +124,55 @@ _SHAPE_FLAGS = ("hidden_size", "intermediate_size", "num_layers", "vocab_size", 
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
-    from gpumem.estimate import (MODEL_PRESETS, estimate_inference_memory, estimate_model,
-                                 parse_dtype)
+    from gpumem.estimate import MODEL_PRESETS, ModelShape, parse_dtype, preset
+    from gpumem.estimate_training import estimate_training_memory
     if args.list:
-        _out(f"{'preset':<14} {'parameters':>16}  layers  hidden  heads/kv")
-        for name, shape in sorted(MODEL_PRESETS.items()):
-            _out(f"{name:<14} {shape.parameter_count():>16,}  {shape.num_layers:>6}  "
-                 f"{shape.hidden_size:>6}  {shape.num_heads}/{shape.num_kv_heads}")
+        _out(f"{'preset':<14} {'parameters':>16}  layers  hidden  heads/kv  experts  max seq")
+        for name, sh in sorted(MODEL_PRESETS.items()):
+            experts = f"{sh.experts_per_token}/{sh.num_experts}" if sh.num_experts > 1 else "-"
+            _out(f"{name:<14} {sh.parameter_count():>16,}  {sh.num_layers:>6}  "
+                 f"{sh.hidden_size:>6}  {f'{sh.num_heads}/{sh.num_kv_heads}':>8}  "
+                 f"{experts:>7}  {sh.max_seq_len or '-':>7}")
         return EXIT_OK
     shape_given = [f for f in _SHAPE_FLAGS if getattr(args, f) is not None]
     if args.model and shape_given:
         raise CliError("give either --model or the shape flags, not both", EXIT_USAGE)
     if args.model:
-        est = estimate_model(args.model, args.seq_len, args.batch, args.dtype)
-        what = f"{args.model}"
+        shape = preset(args.model)
+        what = args.model
     else:
         missing = [f for f in _SHAPE_FLAGS if getattr(args, f) is None]
         if missing:
             raise CliError("give --model NAME (see --list) or every shape flag; missing "
                            + ", ".join("--" + m.replace("_", "-") for m in missing), EXIT_USAGE)
         kv = args.num_kv_heads if args.num_kv_heads is not None else args.num_heads
-        est = estimate_inference_memory(
-            args.hidden_size, args.intermediate_size, args.num_layers, args.vocab_size,
-            args.num_heads, kv, args.seq_len, parse_dtype(args.dtype), args.batch,
-            tie_embeddings=args.tie_embeddings, gated_mlp=not args.no_gated_mlp,
-            bias=args.bias, max_position_embeddings=args.max_position_embeddings,
-            norm=args.norm)
+        shape = ModelShape(args.hidden_size, args.intermediate_size, args.num_layers,
+                           args.vocab_size, args.num_heads, kv,
+                           tie_embeddings=args.tie_embeddings, gated_mlp=not args.no_gated_mlp,
+                           bias=args.bias, max_position_embeddings=args.max_position_embeddings,
+                           norm=args.norm)
         what = "custom model"
+    if args.seq_len is None and shape.max_seq_len is None \
+            and shape.max_position_embeddings is None:
+        raise CliError("give --seq-len (this model shape has no maximum sequence length)",
+                       EXIT_USAGE)
+    seq_len = args.seq_len if args.seq_len is not None else shape.default_seq_len()
+    parse_dtype(args.dtype)
+    if args.training:
+        est: Any = estimate_training_memory(shape, seq_len, args.batch, args.dtype,
+                                            optimizer=args.optimizer)
+        mode = f"training with {args.optimizer}"
+    else:
+        est = shape.estimate(seq_len, args.batch, args.dtype)
+        mode = "inference"
     if args.json:
-        _out(json.dumps({"model": what, "dtype": args.dtype, "seq_len": args.seq_len,
-                         "batch": args.batch, **est.as_dict()}, indent=1))
+        _json_out({"model": what, "mode": "training" if args.training else "inference",
+                   "optimizer": args.optimizer if args.training else None,
+                   "dtype": args.dtype, "seq_len": seq_len, "batch": args.batch,
+                   **est.as_dict()})
         return EXIT_OK
-    _out(f"{what}, {args.dtype}, batch {args.batch} x {args.seq_len} tokens")
+    default = "" if args.seq_len is not None else " (the model's maximum)"
+    _out(f"{what}, {mode}, {args.dtype}, batch {args.batch} x {seq_len} tokens{default}")
     _out(str(est))
     if args.device:
         from gpumem.manager import MemoryManager
@@ -208,10 +240,10 @@ def _write_outputs(res: Any, args: argparse.Namespace) -> None:
 
 
 def _write_json(obj: Any, dest: str) -> None:
-    text = json.dumps(obj, indent=1)
     if dest == "-":
-        _out(text)
+        _json_out(obj)
         return
+    text = json.dumps(obj, indent=1)
     try:
         Path(dest).write_text(text + "\n", encoding="utf-8")
     except OSError as exc:
@@ -272,7 +304,7 @@ def cmd_snapshot(args: argparse.Namespace) -> int:
     if args.json:
         from gpumem.snapshot import save_snapshot
         if args.json == "-":
-            _out(json.dumps(snap, indent=1))
+            _json_out(snap)
         else:
             try:
                 save_snapshot(snap, args.json)
@@ -315,9 +347,20 @@ def cmd_summary(args: argparse.Namespace) -> int:
 
 
 # --- demo ---------------------------------------------------------------------------------------------
+#: width of the demo's step labels (the longest label fits)
+_DEMO_LABEL = 50
+
+
 def _demo_step(mm: Any, label: str, fn: Any) -> Any:
+    # the label goes out before the step runs: an error the step raises is printed after it
+    sys.stdout.write(f"  {label:<{_DEMO_LABEL}} ")
+    sys.stdout.flush()
     before = mm.stats()
-    out = fn()
+    try:
+        out = fn()
+    except Exception as exc:
+        _out(f"{type(exc).__name__}")
+        raise
     after = mm.stats()
     hits = after.pool_hits - before.pool_hits
     misses = after.pool_misses - before.pool_misses
@@ -332,7 +375,7 @@ def _demo_step(mm: Any, label: str, fn: Any) -> Any:
         what.append(f"+{new_segs} segment{'s' if new_segs > 1 else ''}")
     if released:
         what.append(f"-{released} segment{'s' if released > 1 else ''}")
-    _out(f"  {label:<46} {', '.join(what) or 'no pool traffic':<30} "
+    _out(f"{', '.join(what) or 'no pool traffic':<30} "
          f"in use {_fb(after.in_use_bytes):>10}, reserved {_fb(after.total_allocated_bytes):>10}")
     return out
 
@@ -361,7 +404,7 @@ def _demo_manual(dev: Any) -> None:
             try:
                 step("malloc 1 GiB (more than the device)", lambda: mm.malloc(1 * GiB))
             except OutOfMemoryError as exc:
-                _out(f"    -> OutOfMemoryError: {exc}")
+                _out(f"    -> {exc}")
             fb = step("malloc 64 MiB (device nearly full: CPU fallback)",
                       lambda: mm.malloc(64 * MiB, tag="spill"))
             _out(f"    -> {fb!r}")
@@ -387,23 +430,32 @@ class _DropWarnings(logging.Filter):
 
 def cmd_demo(args: argparse.Namespace) -> int:
     import gpumem_sim
-    from gpumem.replay import replay
+    from gpumem.errors import CpuFallbackWarning
 
     _out("gpumem demo: a caching allocator on a simulated GPU (gpumem_sim, no GPU needed)")
     _out("")
     _out("1. Hand-made allocations on a simulated 256 MiB device")
     dev = gpumem_sim.SimDevice("256MiB", name="demo sim 256 MiB")
-    # the OOM and the fallback below are on purpose and printed here: keep their log
-    # warnings for -v
+    # the OOM, the fallback and the fragmentation below are on purpose and the demo prints
+    # them itself: their log warnings and the CpuFallbackWarning are kept for -v
     quiet = None if args.verbose else _DropWarnings()
     logger = logging.getLogger("gpumem")
     if quiet is not None:
         logger.addFilter(quiet)
     try:
-        _demo_manual(dev)
+        with warnings.catch_warnings():
+            if not args.verbose:
+                warnings.simplefilter("ignore", CpuFallbackWarning)
+            _demo_manual(dev)
+            _demo_replay(args)
     finally:
         if quiet is not None:
             logger.removeFilter(quiet)
+    return EXIT_OK
+
+
+def _demo_replay(args: argparse.Namespace) -> None:
+    from gpumem.replay import replay
 
     _out("")
     trace = args.trace or str(DEMO_TRACE)
@@ -433,6 +485,26 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if res.num_ooms:
         raise CliError(f"{res.num_ooms:,} allocation(s) of the trace did not fit on "
                        f"{args.device}", EXIT_OOM)
+
+
+# --- import-torch -------------------------------------------------------------------------------------
+def cmd_import_torch(args: argparse.Namespace) -> int:
+    from gpumem.torch_snapshot import read_torch_snapshot
+    from gpumem.trace import write_trace
+    data = read_torch_snapshot(args.snapshot, device=args.cuda_device, strict=args.strict)
+    try:
+        n = write_trace(args.output, data)
+    except OSError as exc:
+        raise CliError(f"cannot write {args.output}: {exc.strerror or exc}") from None
+    meta = data.metadata
+    _out(f"wrote {args.output}: {n:,} events ({data.n_allocs:,} allocs) of device "
+         f"{meta['device']}, peak live {_fb(data.peak_live_bytes)}")
+    if meta["orphan_frees"]:
+        _out(f"  left out {meta['orphan_frees']:,} free(s) of memory allocated before the "
+             f"recording started")
+    if meta["live_at_end"]:
+        _out(f"  {meta['live_at_end']:,} allocation(s) still live at the end (kept, no free)")
+    _out(f"next: gpumem replay {args.output} --device sim:24GiB")
     return EXIT_OK
 
 
@@ -455,10 +527,17 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--model", help="a preset, e.g. mistral-7b, llama-3-8b, gpt2 (see --list)")
     s.add_argument("--list", action="store_true", help="list the presets")
     s.add_argument("--dtype", default="float16", help="weight/activation dtype (default float16)")
-    s.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (2048)")
+    s.add_argument("--seq-len", type=int,
+                   help="tokens per sequence (default: the model's maximum)")
     s.add_argument("--batch", type=int, default=1, help="sequences per batch (1)")
     s.add_argument("--device", help="also say whether it fits on this device (e.g. cuda:0, "
                    "sim:24GiB)")
+    s.add_argument("--training", action="store_true",
+                   help="estimate a training step: weights, gradients, optimizer state, "
+                        "activations kept for the backward pass")
+    s.add_argument("--optimizer", default="adam",
+                   choices=("adam", "adamw", "sgd", "sgd-momentum"),
+                   help="optimizer for --training (adam)")
     s.add_argument("--json", action="store_true", help="print JSON")
     g = s.add_argument_group("model shape (instead of --model)")
     g.add_argument("--hidden-size", type=int)
@@ -525,6 +604,17 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--segments", metavar="PNG", help="also draw the segments at peak live")
     s.set_defaults(func=cmd_plot)
 
+    s = sub.add_parser("import-torch", help="turn a PyTorch memory snapshot "
+                       "(torch.cuda.memory._dump_snapshot) into a trace to replay")
+    s.add_argument("snapshot", help="the .pickle written by _dump_snapshot()")
+    s.add_argument("-o", "--output", required=True, metavar="TRACE",
+                   help="the trace to write (.csv or .csv.gz)")
+    s.add_argument("--cuda-device", type=int, metavar="N",
+                   help="which device's history (default: the only one recorded)")
+    s.add_argument("--strict", action="store_true",
+                   help="fail on a free whose allocation was not recorded (default: skip it)")
+    s.set_defaults(func=cmd_import_torch)
+
     s = sub.add_parser("demo", help="show what the allocator does, on a simulated device")
     s.add_argument("--trace", help=f"trace to replay (default: the packaged {DEMO_TRACE.name})")
     s.add_argument("--device", default="sim:80GiB", help="replay device (sim:80GiB)")
@@ -550,6 +640,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help(sys.stderr)
         return EXIT_USAGE
+    global _report_to_stderr
+    _report_to_stderr = getattr(args, "json", None) == "-"
     handler = configure_logging(args.verbose)
     try:
         return args.func(args)
@@ -573,4 +665,5 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"traceback)", file=sys.stderr)
         return EXIT_ERROR
     finally:
+        _report_to_stderr = False
         remove_handler(handler)

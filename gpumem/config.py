@@ -1,16 +1,41 @@
-"""MemoryConfig: every knob of a MemoryManager, validated at construction."""
+"""MemoryConfig: every knob of a MemoryManager, validated at construction.
+
+``MemoryConfig.from_env()`` reads ``GPUMEM_<FIELD>`` variables and warns
+(:class:`gpumem.UnknownSettingWarning`) about any other ``GPUMEM_*`` variable it does not know,
+naming the known ones: a misspelled setting is never silently ignored.
+"""
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import os
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from gpumem.errors import InvalidInputError
+from gpumem.errors import InvalidInputError, UnknownSettingWarning
 from gpumem.units import GiB, MiB, parse_size
 
-__all__ = ["MemoryConfig"]
+__all__ = ["MemoryConfig", "MAX_BYTES", "OTHER_VARIABLES"]
+
+#: GPUMEM_* variables read elsewhere (besides GPUMEM_<FIELD> of MemoryConfig): from_env does
+#: not warn about these. Add a variable here when a module starts reading one.
+OTHER_VARIABLES = frozenset({
+    "GPUMEM_DEBUG",             # tracking on (config)
+    "GPUMEM_SIM_DEVICES",       # simulated devices (gpumem_sim)
+    "GPUMEM_HOST_PINNED",       # host backend pinning
+    "GPUMEM_CUDA_NATIVE",       # cuda backend: use the Cython fast path
+    "GPUMEM_TEST_BACKENDS",     # tests
+    "GPUMEM_BUILD_CUDA",        # setup.py
+    "GPUMEM_TRACES",            # benchmarks
+    "GPUMEM_VENV",              # ci scripts
+    "GPUMEM_CBENCH_DIR",        # benchmarks
+})
+
+#: the largest byte count (and count) a setting may hold: 4 EiB, far past any device, and small
+#: enough that the pool's size_t arithmetic (rounding, segment plus slack) cannot overflow
+MAX_BYTES = 1 << 62
 
 
 def _debug_env() -> bool:
@@ -110,6 +135,9 @@ class MemoryConfig:
                 f"{name} must be an int number of bytes, got {type(value).__name__} {value!r}")
         if value < 0:
             raise InvalidInputError(f"{name} must be >= 0, got {value}")
+        if value > MAX_BYTES:
+            raise InvalidInputError(
+                f"{name} must be <= 2**62 (4 EiB), got {value}")
 
     # --- presets ----------------------------------------------------------------------------
     @classmethod
@@ -143,34 +171,43 @@ class MemoryConfig:
         return dataclasses.replace(self, **changes)
 
     def with_gpu_memory_fraction(self, fraction: float) -> "MemoryConfig":
+        """A copy using this fraction of the device (0, 1]."""
         return self.replace(gpu_memory_fraction=fraction)
 
     def with_cpu_fallback(self, enabled: bool) -> "MemoryConfig":
+        """A copy with CPU fallback on or off."""
         return self.replace(cpu_fallback_enabled=enabled)
 
     def with_min_free_bytes(self, nbytes: int | str) -> "MemoryConfig":
+        """A copy that leaves at least `nbytes` (int or "512MiB") free on the device."""
         return self.replace(min_free_bytes=parse_size(nbytes, what="min_free_bytes"))
 
     def with_tracking(self, enabled: bool = True, *, stacks: bool = False) -> "MemoryConfig":
+        """A copy with allocation tracking on or off (`stacks`: keep creation stacks)."""
         return self.replace(track_allocations=enabled, track_stacks=stacks)
 
     def with_max_pool_size(self, nbytes: int | str | None) -> "MemoryConfig":
+        """A copy that caps cached bytes at `nbytes` (int, "1GiB" or None: no cap)."""
         return self.replace(max_pool_size=None if nbytes is None
                             else parse_size(nbytes, what="max_pool_size"))
 
     def with_max_split_size(self, nbytes: int | str | None) -> "MemoryConfig":
+        """A copy whose cached blocks above `nbytes` are never split (None: all split)."""
         return self.replace(max_split_size=None if nbytes is None
                             else parse_size(nbytes, what="max_split_size"))
 
     def with_max_pooled_per_bucket(self, count: int) -> "MemoryConfig":
+        """A copy keeping at most `count` wholly free large segments per size class."""
         return self.replace(max_pooled_per_bucket=count)
 
     def with_reserve_bytes(self, nbytes: int | str | None) -> "MemoryConfig":
+        """A copy reserving `nbytes` of the device for others (None: the backend's advice)."""
         return self.replace(reserve_bytes=None if nbytes is None
                             else parse_size(nbytes, what="reserve_bytes"))
 
     def with_pressure_thresholds(self, medium: float, high: float,
                                  critical: float) -> "MemoryConfig":
+        """A copy with the fractions of usable memory where MEDIUM, HIGH, CRITICAL begin."""
         return self.replace(pressure_thresholds=(medium, high, critical))
 
     # --- environment --------------------------------------------------------------------------
@@ -181,6 +218,7 @@ class MemoryConfig:
         ``GPUMEM_MIN_FREE_BYTES=1GiB``, ``GPUMEM_CPU_FALLBACK_ENABLED=0``) over `base`."""
         env = os.environ if environ is None else environ
         base = base if base is not None else cls()
+        _warn_unknown_variables(env)
         changes: dict[str, Any] = {}
         for f in dataclasses.fields(cls):
             key = "GPUMEM_" + f.name.upper()
@@ -202,6 +240,16 @@ class MemoryConfig:
             names = ", ".join(f"GPUMEM_{n.upper()}={env.get('GPUMEM_' + n.upper(), '')!r}"
                               for n in culprits) or "GPUMEM_* variables"
             raise InvalidInputError(f"{names}: {exc}") from None
+
+
+def _warn_unknown_variables(env: Mapping[str, str]) -> None:
+    """An UnknownSettingWarning for each GPUMEM_* name that nothing in gpumem reads."""
+    known = OTHER_VARIABLES | {"GPUMEM_" + f.name.upper() for f in dataclasses.fields(MemoryConfig)}
+    for key in sorted(k for k in env if k.startswith("GPUMEM_") and k not in known):
+        close = difflib.get_close_matches(key, known, n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        warnings.warn(f"gpumem: unknown environment variable {key}{hint}; known: "
+                      f"{', '.join(sorted(known))}", UnknownSettingWarning, stacklevel=3)
 
 
 def _valid_alone(base: MemoryConfig, name: str, value: Any) -> bool:

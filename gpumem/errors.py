@@ -14,6 +14,9 @@ __all__ = [
     "DriverOutOfMemory",
     "TraceFormatError",
     "UnsupportedOperationError",
+    "GpumemWarning",
+    "CpuFallbackWarning",
+    "UnknownSettingWarning",
 ]
 
 
@@ -101,3 +104,17 @@ class UnsupportedOperationError(GpuMemoryError, NotImplementedError):
 
 class TraceFormatError(InvalidInputError):
     """A trace file is malformed; the message names the file and line."""
+
+
+class GpumemWarning(UserWarning):
+    """Base class of every warning gpumem emits; filter it (``warnings.simplefilter("error",
+    gpumem.GpumemWarning)``) to turn them all into errors."""
+
+
+class CpuFallbackWarning(GpumemWarning):
+    """A manager served a request from host memory because its device was exhausted (emitted
+    once per manager, on its first fallback; each fallback is also logged)."""
+
+
+class UnknownSettingWarning(GpumemWarning):
+    """A ``GPUMEM_*`` environment variable that gpumem does not know (likely misspelled)."""

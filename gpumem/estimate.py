@@ -1,20 +1,26 @@
 """Memory estimates for decoder-only transformer models (weights, KV cache, activations).
 
-Units: every ``*_bytes`` value is an exact byte count. ``*_gib()`` helpers divide by
-``GiB = 2**30`` (binary, what ``nvidia-smi`` and :func:`gpumem.units.format_bytes` show);
-``*_gb()`` helpers divide by ``10**9`` (decimal, what vendors print on the box).
+Units: every ``*_bytes`` value is an exact byte count. ``*_mb()`` helpers divide by
+``MiB = 2**20`` and ``*_gib()`` helpers by ``GiB = 2**30`` (binary, what ``nvidia-smi`` and
+:func:`gpumem.units.format_bytes` show); ``*_gb()`` helpers divide by ``10**9`` (decimal, what
+vendors print on the box).
+
+The presets (:data:`MODEL_PRESETS`) are data: ``gpumem/data/model_presets.json``. Training
+estimates (gradients, optimizer state) are in :mod:`gpumem.estimate_training`.
 
 Only whole-byte dtypes are supported (1, 2, 4 or 8 bytes per element); packed sub-byte
 formats such as int4 are rejected rather than silently rounded.
 """
 from __future__ import annotations
 
+import json
 import operator
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any
 
 from gpumem.errors import InvalidInputError
-from gpumem.units import GiB
+from gpumem.units import GiB, MiB
 
 __all__ = [
     "MemoryEstimate",
@@ -24,6 +30,9 @@ __all__ = [
     "estimate_inference_memory",
     "estimate_model",
     "parse_dtype",
+    "preset",
+    "load_presets",
+    "PRESETS_FILE",
     "GB",
 ]
 
@@ -177,6 +186,23 @@ class MemoryEstimate:
         """Peak activations in GB (10**9 bytes)."""
         return self.activation_bytes / GB
 
+    # binary mebibytes (1 MiB = 2**20 bytes)
+    def total_mb(self) -> float:
+        """Total in MiB (2**20 bytes)."""
+        return self.total_bytes / MiB
+
+    def model_mb(self) -> float:
+        """Weights in MiB (2**20 bytes)."""
+        return self.model_bytes / MiB
+
+    def kv_cache_mb(self) -> float:
+        """KV cache in MiB (2**20 bytes)."""
+        return self.kv_cache_bytes / MiB
+
+    def activation_mb(self) -> float:
+        """Peak activations in MiB (2**20 bytes)."""
+        return self.activation_bytes / MiB
+
     # binary gibibytes (1 GiB = 2**30 bytes)
     def total_gib(self) -> float:
         """Total in GiB (2**30 bytes)."""
@@ -225,6 +251,10 @@ class ModelShape:
     ``max_position_embeddings`` is the size of a *learned* absolute position table (GPT-2);
     leave it ``None`` for rotary/ALiBi models, which have no position parameters.
     ``published_parameters`` is the count the model's authors report, if known.
+    ``num_experts`` > 1 makes the MLP a mixture of experts (each layer holds ``num_experts``
+    MLPs and a router; each token goes through ``experts_per_token`` of them).
+    ``max_seq_len`` is the context length the model was trained for (None: unknown), the
+    default sequence length of :meth:`estimate`.
     """
 
     hidden_size: int
@@ -239,13 +269,26 @@ class ModelShape:
     max_position_embeddings: int | None = None
     norm: str = "rms"
     published_parameters: int | None = None
+    num_experts: int = 1
+    experts_per_token: int = 1
+    max_seq_len: int | None = None
 
     def __post_init__(self) -> None:
         _validate_shape(self.hidden_size, self.intermediate_size, self.num_layers,
                         self.vocab_size, self.num_heads, self.num_kv_heads, self.tie_embeddings,
-                        self.gated_mlp, self.bias, self.max_position_embeddings, self.norm)
+                        self.gated_mlp, self.bias, self.max_position_embeddings, self.norm,
+                        self.num_experts, self.experts_per_token)
         if self.published_parameters is not None:
             _positive_int(self.published_parameters, "published_parameters")
+        if self.max_seq_len is not None:
+            _positive_int(self.max_seq_len, "max_seq_len")
+
+    def default_seq_len(self) -> int:
+        """``max_seq_len``, else ``max_position_embeddings``; InvalidInputError if neither."""
+        n = self.max_seq_len or self.max_position_embeddings
+        if n is None:
+            raise InvalidInputError("this model shape has no max_seq_len: give seq_len")
+        return n
 
     @property
     def head_dim(self) -> int:
@@ -256,25 +299,31 @@ class ModelShape:
         """Parameter count from the formula in :func:`count_parameters`."""
         return count_parameters(**self._arch_kwargs())
 
-    def estimate(self, seq_len: int, batch_size: int = 1, dtype: Any = "float16") -> MemoryEstimate:
-        """:func:`estimate_inference_memory` for this shape."""
+    def estimate(self, seq_len: int | None = None, batch_size: int = 1,
+                 dtype: Any = "float16") -> MemoryEstimate:
+        """:func:`estimate_inference_memory` for this shape (seq_len None: the model's
+        maximum, :meth:`default_seq_len`)."""
         return estimate_inference_memory(
             self.hidden_size, self.intermediate_size, self.num_layers, self.vocab_size,
-            self.num_heads, self.num_kv_heads, seq_len, parse_dtype(dtype), batch_size,
-            tie_embeddings=self.tie_embeddings, gated_mlp=self.gated_mlp, bias=self.bias,
-            max_position_embeddings=self.max_position_embeddings, norm=self.norm)
+            self.num_heads, self.num_kv_heads,
+            self.default_seq_len() if seq_len is None else seq_len, parse_dtype(dtype),
+            batch_size, **self._flags())
+
+    def _flags(self) -> dict[str, Any]:
+        return dict(tie_embeddings=self.tie_embeddings, gated_mlp=self.gated_mlp, bias=self.bias,
+                    max_position_embeddings=self.max_position_embeddings, norm=self.norm,
+                    num_experts=self.num_experts, experts_per_token=self.experts_per_token)
 
     def _arch_kwargs(self) -> dict[str, Any]:
         return dict(hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
                     num_layers=self.num_layers, vocab_size=self.vocab_size,
-                    num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-                    tie_embeddings=self.tie_embeddings, gated_mlp=self.gated_mlp, bias=self.bias,
-                    max_position_embeddings=self.max_position_embeddings, norm=self.norm)
+                    num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, **self._flags())
 
 
 def _validate_shape(hidden_size: Any, intermediate_size: Any, num_layers: Any, vocab_size: Any,
                     num_heads: Any, num_kv_heads: Any, tie_embeddings: Any, gated_mlp: Any,
-                    bias: Any, max_position_embeddings: Any, norm: Any) -> tuple[int, ...]:
+                    bias: Any, max_position_embeddings: Any, norm: Any,
+                    num_experts: Any = 1, experts_per_token: Any = 1) -> tuple[int, ...]:
     h = _positive_int(hidden_size, "hidden_size")
     i = _positive_int(intermediate_size, "intermediate_size")
     n_layers = _positive_int(num_layers, "num_layers")
@@ -294,13 +343,18 @@ def _validate_shape(hidden_size: Any, intermediate_size: Any, num_layers: Any, v
         _positive_int(max_position_embeddings, "max_position_embeddings")
     if norm not in _NORMS:
         raise InvalidInputError(f"norm must be one of {_NORMS}, got {norm!r}")
+    experts = _positive_int(num_experts, "num_experts")
+    if _positive_int(experts_per_token, "experts_per_token") > experts:
+        raise InvalidInputError(
+            f"experts_per_token ({experts_per_token}) must not exceed num_experts ({experts})")
     return h, i, n_layers, vocab, heads, kv_heads
 
 
 def count_parameters(hidden_size: int, intermediate_size: int, num_layers: int, vocab_size: int,
                      num_heads: int, num_kv_heads: int, *, tie_embeddings: bool = False,
                      gated_mlp: bool = True, bias: bool = False,
-                     max_position_embeddings: int | None = None, norm: str = "rms") -> int:
+                     max_position_embeddings: int | None = None, norm: str = "rms",
+                     num_experts: int = 1, experts_per_token: int = 1) -> int:
     """Parameter count of a decoder-only transformer.
 
     With ``h`` hidden, ``i`` intermediate, ``kv = num_kv_heads * head_dim``:
@@ -309,11 +363,14 @@ def count_parameters(hidden_size: int, intermediate_size: int, num_layers: int, 
     * per layer: attention ``2*h*h + 2*h*kv`` (q, o, k, v) plus ``2*h + 2*kv`` biases;
       MLP ``3*h*i`` gated (gate/up/down) or ``2*h*i`` (up/down) plus ``i + h`` biases
       (``2*i + h`` when gated); two norms of ``h`` (rms) or ``2h`` (layer, weight+bias) each;
-    * one final norm.
+    * one final norm;
+    * mixture of experts (``num_experts`` > 1): ``num_experts`` MLPs per layer plus a router
+      of ``h*num_experts`` (Mixtral's layout; every expert counts, not only the active ones).
     """
     h, i, n_layers, vocab, heads, kv_heads = _validate_shape(
         hidden_size, intermediate_size, num_layers, vocab_size, num_heads, num_kv_heads,
-        tie_embeddings, gated_mlp, bias, max_position_embeddings, norm)
+        tie_embeddings, gated_mlp, bias, max_position_embeddings, norm, num_experts,
+        experts_per_token)
     kv_dim = kv_heads * (h // heads)
     norm_params = h if norm == "rms" else 2 * h
 
@@ -322,6 +379,8 @@ def count_parameters(hidden_size: int, intermediate_size: int, num_layers: int, 
     if bias:
         attn += 2 * h + 2 * kv_dim
         mlp += (2 * i if gated_mlp else i) + h
+    if num_experts > 1:
+        mlp = num_experts * mlp + h * num_experts      # the experts and the router
     per_layer = attn + mlp + 2 * norm_params
 
     embed = vocab * h * (1 if tie_embeddings else 2)
@@ -335,7 +394,8 @@ def estimate_inference_memory(hidden_size: int, intermediate_size: int, num_laye
                               dtype_bytes: int, batch_size: int = 1, *,
                               tie_embeddings: bool = False, gated_mlp: bool = True,
                               bias: bool = False, max_position_embeddings: int | None = None,
-                              norm: str = "rms") -> MemoryEstimate:
+                              norm: str = "rms", num_experts: int = 1,
+                              experts_per_token: int = 1) -> MemoryEstimate:
     """Estimate memory to run one forward pass of ``batch_size`` sequences of ``seq_len`` tokens.
 
     * ``model_bytes = parameters * dtype_bytes`` (see :func:`count_parameters`).
@@ -344,7 +404,8 @@ def estimate_inference_memory(hidden_size: int, intermediate_size: int, num_laye
     * ``activation_bytes`` (peak transient, one layer at a time, no gradients) =
       ``dtype_bytes * (batch*num_heads*seq_len**2 + batch*seq_len*intermediate_size
       + 2*batch*seq_len*hidden_size)``: the un-fused attention score matrix, the MLP
-      intermediate, and two hidden-sized tensors (residual stream and normed input). It is an
+      intermediate (times ``experts_per_token`` for a mixture of experts), and two
+      hidden-sized tensors (residual stream and normed input). It is an
       upper-bound-style heuristic: fused (flash) attention needs far less, and the final
       ``batch*seq_len*vocab`` logits are not included.
 
@@ -353,7 +414,8 @@ def estimate_inference_memory(hidden_size: int, intermediate_size: int, num_laye
     """
     h, i, n_layers, vocab, heads, kv_heads = _validate_shape(
         hidden_size, intermediate_size, num_layers, vocab_size, num_heads, num_kv_heads,
-        tie_embeddings, gated_mlp, bias, max_position_embeddings, norm)
+        tie_embeddings, gated_mlp, bias, max_position_embeddings, norm, num_experts,
+        experts_per_token)
     s = _positive_int(seq_len, "seq_len")
     b = _positive_int(batch_size, "batch_size")
     db = _positive_int(dtype_bytes, "dtype_bytes")
@@ -366,11 +428,12 @@ def estimate_inference_memory(hidden_size: int, intermediate_size: int, num_laye
 
     params = count_parameters(h, i, n_layers, vocab, heads, kv_heads,
                               tie_embeddings=tie_embeddings, gated_mlp=gated_mlp, bias=bias,
-                              max_position_embeddings=max_position_embeddings, norm=norm)
+                              max_position_embeddings=max_position_embeddings, norm=norm,
+                              num_experts=num_experts, experts_per_token=experts_per_token)
     head_dim = h // heads
     model_bytes = params * db
     kv_cache_bytes = 2 * n_layers * b * s * kv_heads * head_dim * db
-    activation_bytes = db * (b * heads * s * s + b * s * i + 2 * b * s * h)
+    activation_bytes = db * (b * heads * s * s + b * s * i * experts_per_token + 2 * b * s * h)
     return MemoryEstimate(
         parameters=params,
         model_bytes=model_bytes,
@@ -384,39 +447,53 @@ def estimate_inference_memory(hidden_size: int, intermediate_size: int, num_laye
 # presets
 # ---------------------------------------------------------------------------------------------
 
-_GPT2 = dict(tie_embeddings=True, gated_mlp=False, bias=True, max_position_embeddings=1024,
-             norm="layer")
-
-#: Named architectures; ``published_parameters`` are the counts reported by their authors
-#: (Hugging Face checkpoints) and are reproduced exactly by :func:`count_parameters`.
-MODEL_PRESETS: dict[str, ModelShape] = {
-    "gpt2": ModelShape(768, 3072, 12, 50257, 12, 12, **_GPT2,
-                       published_parameters=124_439_808),
-    "gpt2-medium": ModelShape(1024, 4096, 24, 50257, 16, 16, **_GPT2,
-                              published_parameters=354_823_168),
-    "llama-2-7b": ModelShape(4096, 11008, 32, 32000, 32, 32,
-                             published_parameters=6_738_415_616),
-    "llama-2-13b": ModelShape(5120, 13824, 40, 32000, 40, 40,
-                              published_parameters=13_015_864_320),
-    "llama-3-8b": ModelShape(4096, 14336, 32, 128256, 32, 8,
-                             published_parameters=8_030_261_248),
-    "mistral-7b": ModelShape(4096, 14336, 32, 32000, 32, 8,
-                             published_parameters=7_241_732_096),
-}
+#: where the presets live (one JSON object per model; see its "_about")
+PRESETS_FILE = Path(__file__).resolve().parent / "data" / "model_presets.json"
 
 
-def estimate_model(name: str, seq_len: int, batch_size: int = 1,
-                   dtype: Any = "float16") -> MemoryEstimate:
-    """Estimate inference memory for the preset ``name`` (see :data:`MODEL_PRESETS`).
+def load_presets(path: str | Path = PRESETS_FILE) -> dict[str, ModelShape]:
+    """Read model presets from a JSON file of ``{name: {ModelShape field: value}}`` (keys
+    starting with ``_`` are comments). InvalidInputError names the model and the bad field."""
+    raw = json.loads(Path(path).read_text(encoding="utf-8"))
+    names = {f.name for f in fields(ModelShape)}
+    presets = {}
+    for name, spec in raw.items():
+        if name.startswith("_"):
+            continue
+        unknown = sorted(set(spec) - names)
+        if unknown:
+            raise InvalidInputError(f"{path}: preset {name!r} has unknown field(s) {unknown}; "
+                                    f"fields are {sorted(names)}")
+        try:
+            presets[name.lower()] = ModelShape(**spec)
+        except (InvalidInputError, TypeError) as exc:
+            raise InvalidInputError(f"{path}: preset {name!r}: {exc}") from None
+    return presets
 
-    ``dtype`` is anything :func:`parse_dtype` accepts (``"float16"``, ``"bf16"``, ``"int8"``,
-    ``np.float32``, a byte count...).
-    """
+
+#: Named architectures, from :data:`PRESETS_FILE`; ``published_parameters`` are the counts
+#: reported by their authors (Hugging Face checkpoints), reproduced exactly by
+#: :func:`count_parameters`.
+MODEL_PRESETS: dict[str, ModelShape] = load_presets()
+
+
+def preset(name: str) -> ModelShape:
+    """The preset called `name` (case-insensitive); InvalidInputError listing the known ones."""
     if not isinstance(name, str):
         raise InvalidInputError(f"name must be a preset name (str), got {type(name).__name__} {name!r}")
     shape = MODEL_PRESETS.get(name.strip().lower())
     if shape is None:
         raise InvalidInputError(
             f"unknown model preset {name!r}; known presets: {', '.join(sorted(MODEL_PRESETS))}")
-    return shape.estimate(seq_len, batch_size, dtype)
+    return shape
 
+
+def estimate_model(name: str, seq_len: int | None = None, batch_size: int = 1,
+                   dtype: Any = "float16") -> MemoryEstimate:
+    """Estimate inference memory for the preset ``name`` (see :data:`MODEL_PRESETS`).
+
+    ``seq_len`` None means the model's maximum context (its ``max_seq_len``). ``dtype`` is
+    anything :func:`parse_dtype` accepts (``"float16"``, ``"bf16"``, ``"int8"``,
+    ``np.float32``, a byte count...).
+    """
+    return preset(name).estimate(seq_len, batch_size, dtype)

@@ -1,8 +1,13 @@
-"""CPU fallback: host memory handed out when the device is exhausted."""
+"""CPU fallback: host memory handed out when the device is exhausted.
+
+A manager's first fallback emits a :class:`gpumem.CpuFallbackWarning` (each one is logged);
+``malloc(..., fallback=False)`` or ``MemoryConfig(cpu_fallback_enabled=False)`` refuse it.
+"""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from gpumem.buffer_protocol import AnyBuffer
 from gpumem.errors import ClosedManagerError, DoubleFreeError, InvalidInputError
 
 if TYPE_CHECKING:
@@ -12,10 +17,10 @@ if TYPE_CHECKING:
 __all__ = ["FallbackBuffer"]
 
 
-class FallbackBuffer:
+class FallbackBuffer(AnyBuffer):
     """Host memory standing in for a device buffer the device could not hold.
 
-    It has the same core attributes as :class:`gpumem.Buffer` (``ptr``, ``nbytes``, ``id``,
+    It shares :class:`gpumem.AnyBuffer` with :class:`gpumem.Buffer` (``ptr``, ``nbytes``, ``id``,
     ``tag``, ``stream``, ``free()``, context manager) with ``location == "cpu"``, and
     :meth:`migrate_to_device` moves the data onto the device once memory allows.
     """

@@ -8,12 +8,13 @@
 ``MemoryManager.record_history()`` builds the recorder and registers it as an observer; a recorder
 built by hand must be registered with ``manager.add_observer(rec)``.
 
-Each event is ``(t_ns, op, id, size, stream, tag, location)`` with ``t_ns`` from
+Each event is ``(t_ns, op, id, size, stream, tag, location, ptr)`` with ``t_ns`` from
 ``time.perf_counter_ns()`` relative to the recorder's start, ``op`` ``"a"``/``"f"``, ``id`` the
-buffer's id and ``size`` its requested bytes. The ring keeps the newest ``max_entries`` events;
+buffer's id, ``size`` its requested bytes and ``ptr`` its address (allocations only; 0 on a
+free, which pairs with its allocation by ``id``; :func:`gpumem.export_memory_viz` uses it). The ring keeps the newest ``max_entries`` events;
 ``dropped`` counts those pushed out.
 
-:meth:`HistoryRecorder.write` produces the ``../shared/traces`` format, so a recorded run can be
+:meth:`HistoryRecorder.write` produces the ``gpumem/data/traces`` format, so a recorded run can be
 replayed on any device or configuration:
 
 - ids are renumbered 0..N-1 in allocation order (as the shared traces are);
@@ -50,6 +51,7 @@ class HistoryEvent(NamedTuple):
     stream: int
     tag: Any
     location: str
+    ptr: int = 0
 
 
 class HistoryRecorder:
@@ -76,7 +78,7 @@ class HistoryRecorder:
         if self.stopped:
             return
         ev = (time.perf_counter_ns() - self._t0, "a", buf.id, buf.nbytes, buf.stream, buf.tag,
-              buf.location)
+              buf.location, buf.ptr)
         with self._lock:
             self._ring.append(ev)
             self._recorded += 1
@@ -85,7 +87,7 @@ class HistoryRecorder:
         if self.stopped:
             return
         ev = (time.perf_counter_ns() - self._t0, "f", buf.id, buf.nbytes, buf.stream, buf.tag,
-              buf.location)
+              buf.location, 0)
         with self._lock:
             self._ring.append(ev)
             self._recorded += 1
@@ -144,7 +146,7 @@ class HistoryRecorder:
         t0 = raw[0][0] if raw else 0
         dev = self.device or "device"
         next_id = 0
-        for t, op, bid, size, stream, tag, loc in raw:
+        for t, op, bid, size, stream, tag, loc, _ptr in raw:
             key = (loc, bid)
             if op == "a":
                 # buffer ids are unique per pool, so an id live in `ids` cannot come back;

@@ -21,15 +21,16 @@ from gpumem._core.buffer import Buffer, ManagerCore
 from gpumem._core.pool import CachingPool
 from gpumem import peers
 from gpumem.backends import Device, default_device, open_device
-from gpumem.config import MemoryConfig
-from gpumem.errors import (ClosedManagerError, DriverError, DriverOutOfMemory,
-                           ForeignBufferError, InvalidInputError, OutOfMemoryError)
+from gpumem.config import MAX_BYTES, MemoryConfig
+from gpumem.errors import (ClosedManagerError, CpuFallbackWarning, DriverError,
+                           DriverOutOfMemory, ForeignBufferError, InvalidInputError,
+                           OutOfMemoryError)
 from gpumem.expandable import ExpandableSegments
 from gpumem.fallback import FallbackBuffer
 from gpumem.measure import manager_peaks
 from gpumem.pressure import MemoryPressure, PressureCallback, pressure_level
 from gpumem.stats import MemoryStats
-from gpumem.units import format_bytes
+from gpumem.units import format_bytes, parse_size
 
 if TYPE_CHECKING:
     from gpumem.batch import BufferBatch
@@ -54,12 +55,18 @@ OomCallback = Callable[["MemoryManager", int], None]
 
 
 def _byte_count(value: Any, what: str) -> int:
-    """An int >= 0 (numpy integers accepted), else a specific error naming `what`."""
+    """A byte count in [0, MAX_BYTES] from an int (numpy integers accepted) or a string such
+    as ``"1GiB"``, else a specific error naming `what`."""
+    if isinstance(value, str):
+        value = parse_size(value, what=what)
     if isinstance(value, bool) or not hasattr(value, "__index__"):
-        raise InvalidInputError(f"{what} must be an int >= 0, got {type(value).__name__} {value!r}")
+        raise InvalidInputError(f"{what} must be an int >= 0 or a size string such as '1GiB', "
+                                f"got {type(value).__name__} {value!r}")
     value = int(value)
     if value < 0:
         raise InvalidInputError(f"{what} must be >= 0, got {value}")
+    if value > MAX_BYTES:
+        raise InvalidInputError(f"{what} must be <= 2**62 (4 EiB), got {value}")
     return value
 
 
@@ -131,6 +138,7 @@ class MemoryManager(ManagerCore):
         self._frag_warned = False
         self._peak_windows: PeakWindows | None = None     # made by the first measure()
         self._expandable = ExpandableSegments(self) if expandable else None
+        self._fallback_warned = False             # the first fallback warns (CpuFallbackWarning)
         self.tracker = None
         if config.track_allocations:
             from gpumem.tracking import AllocationTracker
@@ -142,6 +150,7 @@ class MemoryManager(ManagerCore):
     # --- properties -----------------------------------------------------------------------
     @property
     def closed(self) -> bool:
+        """True once :meth:`close` has run."""
         return self._closed
 
     def memory_info(self) -> tuple[int, int]:
@@ -170,6 +179,10 @@ class MemoryManager(ManagerCore):
         self._hooks = True
 
     def remove_observer(self, observer: Any) -> None:
+        """Stop calling `observer` (one added by :meth:`add_observer`); InvalidInputError if
+        it is not registered."""
+        if observer not in self._observers:
+            raise InvalidInputError(f"{observer!r} is not an observer of this manager")
         self._observers.remove(observer)
         self._hooks = bool(self._observers)
 
@@ -182,13 +195,14 @@ class MemoryManager(ManagerCore):
             obs.on_free(buf)
 
     # --- the miss path: the OOM ladder ------------------------------------------------------
-    def _malloc_slow(self, nbytes: int, stream: int, tag: Any) -> Buffer | FallbackBuffer:
+    def _malloc_slow(self, nbytes: int, stream: int, tag: Any,
+                     fallback: bool = True) -> Buffer | FallbackBuffer:
         buf = self._malloc_device(nbytes, stream, tag)
         if buf is not None:
             return buf
-        if self.config.cpu_fallback_enabled and nbytes <= self.total_memory:
+        if fallback and self.config.cpu_fallback_enabled and nbytes <= self.total_memory:
             return self._fallback(nbytes, stream, tag)
-        raise self._oom_error(nbytes)
+        raise self._oom_error(nbytes, fallback_refused=not fallback)
 
     def _malloc_device_only(self, nbytes: int, stream: int, tag: Any) -> Buffer:
         """Like malloc but never falls back to the CPU (used by migrate_to_device)."""
@@ -451,7 +465,7 @@ class MemoryManager(ManagerCore):
             self._release_cached(pooled - limit, reason="max_pool_size")
 
     # --- OOM ------------------------------------------------------------------------------------
-    def _oom_error(self, nbytes: int) -> OutOfMemoryError:
+    def _oom_error(self, nbytes: int, fallback_refused: bool = False) -> OutOfMemoryError:
         self._num_ooms += 1
         try:
             free, total = self.device.mem_get_info()
@@ -467,6 +481,8 @@ class MemoryManager(ManagerCore):
             reason = "device, cache and callbacks exhausted"
             if not self.config.cpu_fallback_enabled:
                 reason += "; CPU fallback is disabled"
+            elif fallback_refused:
+                reason += "; CPU fallback refused by malloc(fallback=False)"
         cached = reserved - in_use
         largest = self.pool.largest_free_block()
         if cached:
@@ -503,6 +519,17 @@ class MemoryManager(ManagerCore):
                     "cpu", MemoryConfig(cpu_fallback_enabled=False, min_free_bytes=0,
                                         track_allocations=False, gpu_memory_fraction=1.0))
             host = self._host
+            if not self._fallback_warned:
+                # before the host allocation: a filter that turns this warning into an error
+                # then leaves nothing allocated. stacklevel 3: the caller of malloc (Cython
+                # frames do not count)
+                warnings.warn(
+                    f"gpumem: {self.device_string} is exhausted; {format_bytes(nbytes)} served "
+                    f"from CPU memory (a FallbackBuffer). Later fallbacks are only logged. "
+                    f"Refuse it with malloc(..., fallback=False) or "
+                    f"MemoryConfig(cpu_fallback_enabled=False).",
+                    CpuFallbackWarning, stacklevel=3)
+                self._fallback_warned = True
         fb = FallbackBuffer(self, host._malloc_device_only(nbytes, 0, tag), stream, tag)
         self._cpu_fallbacks += 1
         self._fallback_bytes += nbytes
@@ -534,8 +561,9 @@ class MemoryManager(ManagerCore):
         self.collect_pending_frees()
         return self._release_cached(reason="empty_cache")
 
-    def shrink(self, target_cached_bytes: int = 0) -> int:
-        """Release wholly free segments until at most target bytes stay cached."""
+    def shrink(self, target_cached_bytes: int | str = 0) -> int:
+        """Release wholly free segments until at most target bytes (an int or a size string
+        such as ``"256MiB"``) stay cached; the bytes released."""
         self._check_open()
         target_cached_bytes = _byte_count(target_cached_bytes, "target_cached_bytes")
         pooled = self.pool.reserved_bytes - self.pool.in_use_bytes
@@ -543,25 +571,29 @@ class MemoryManager(ManagerCore):
             return 0
         return self._release_cached(pooled - target_cached_bytes, reason="shrink")
 
-    def set_max_pool_size(self, nbytes: int | None) -> None:
-        """Cap the cached (free) bytes; None removes the cap. Trims at once."""
+    def set_max_pool_size(self, nbytes: int | str | None) -> None:
+        """Cap the cached (free) bytes at `nbytes` (an int or a size string such as ``"1GiB"``);
+        None removes the cap. Trims at once. A bad value raises InvalidInputError and changes
+        nothing."""
         if nbytes is not None:
-            nbytes = _byte_count(nbytes, "max pool size")
+            nbytes = _byte_count(nbytes, "max_pool_size")
         self._max_pool_size = nbytes
         self._set_limits(self.usable_memory, nbytes)
         self._trim_cache()
 
     def reset_peak_stats(self) -> None:
-        """Restart the peak counters of ``stats()`` from what is held now."""
+        """Start the peak counters (``peak_bytes``, ``peak_reserved_bytes`` in :meth:`stats`)
+        again from the current in-use and reserved bytes (open measure() blocks keep theirs)."""
         if self._peak_windows is not None:
-            self._peak_windows.reset()            # open measure() blocks keep their peaks
+            self._peak_windows.reset()
         else:
             self.pool.reset_peaks()
 
     # --- statistics ----------------------------------------------------------------------------------
     def stats(self) -> MemoryStats:
-        """Counters of this manager: what it holds now, peaks and totals since creation. After
-        close() it holds nothing, and the held figures say 0."""
+        """A consistent snapshot of the counters: bytes reserved from the device, in use and
+        cached, peaks, hits and misses, segments, OOMs and CPU fallbacks (see MemoryStats).
+        After close() the manager holds nothing, and the held figures say 0."""
         c = self.pool.counters(consistent=True)
         # measure() blocks reset the pool's peak counters: the manager's peaks come from here
         c["peak_in_use_bytes"], c["peak_reserved_bytes"] = manager_peaks(self, c)
@@ -601,6 +633,8 @@ class MemoryManager(ManagerCore):
         return min(1.0, self.pool.reserved_bytes / self.usable_memory)
 
     def pressure(self) -> MemoryPressure:
+        """The pressure level (LOW, MEDIUM, HIGH, CRITICAL) of :meth:`pressure_ratio` against
+        ``config.pressure_thresholds``."""
         return pressure_level(self.pressure_ratio(), self.config.pressure_thresholds)
 
     def on_pressure(self, callback: PressureCallback) -> PressureCallback:
@@ -711,7 +745,7 @@ class MemoryManager(ManagerCore):
 
     def record_history(self, max_entries: int = 1_000_000) -> "HistoryRecorder":
         """Start recording alloc/free events into a ring buffer; returns the recorder (its
-        ``write(path)`` saves a trace in the ../shared/traces format)."""
+        ``write(path)`` saves a trace in the gpumem/data/traces format)."""
         from gpumem.history import HistoryRecorder
         self._check_open()
         recorder = HistoryRecorder(self, max_entries=max_entries)

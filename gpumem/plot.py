@@ -1,6 +1,6 @@
 """Pictures of memory: a live/reserved timeline and a segment map (PNG, via matplotlib).
 
-matplotlib is optional (``pip install gpumem[plot]``): this module imports without it, and the
+matplotlib is optional (``pip install gpumem-pool[plot]``): this module imports without it, and the
 plot functions raise :class:`PlotDependencyError` (an ImportError and a GpuMemoryError) saying
 what to install. Figures are drawn with matplotlib's object API on the Agg canvas, never through
 pyplot, so plotting needs no display and touches no global figure state.
@@ -17,7 +17,7 @@ from gpumem.units import GiB, KiB, MiB, format_bytes
 
 __all__ = ["plot_timeline", "plot_segments", "PlotDependencyError", "INSTALL_HINT"]
 
-INSTALL_HINT = "pip install gpumem[plot]"
+INSTALL_HINT = "pip install gpumem-pool[plot]"
 
 
 class PlotDependencyError(GpuMemoryError, ImportError):

@@ -133,7 +133,8 @@ class ReplayResult:
     def __str__(self) -> str:
         fb = format_bytes
         lines = [
-            f"replay of {self.trace} on {self.device} ({fb(self.capacity)})",
+            f"replay of {self.trace} on {self.device}"
+            + ("" if fb(self.capacity) in self.device else f" ({fb(self.capacity)})"),
             f"  events          {self.events:,} ({self.allocs:,} allocs, {self.frees:,} frees) "
             f"in {self.duration_s:.3f} s = {self.events_per_second:,.0f} events/s",
             f"  peak live       {fb(self.peak_live_bytes)} requested "

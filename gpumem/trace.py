@@ -1,6 +1,6 @@
 """Allocation traces: read, validate, slice and write the ``t_ns,op,id,size`` CSV format.
 
-The format is the one of ``../shared/traces`` (real PyTorch allocation streams) and of
+The format is the one of ``gpumem/data/traces`` (real PyTorch allocation streams) and of
 :meth:`gpumem.MemoryManager.record_history`:
 
 - a header whose first four columns are ``t_ns,op,id,size``; more columns may follow (gpumem

@@ -708,7 +708,7 @@ def test_cuda_without_package(monkeypatch, blocked):
         monkeypatch.setitem(sys.modules, mod, None)     # makes the import raise ImportError
     be = cuda_mod.CudaBackend()
     ok, reason = be.availability()
-    assert not ok and "pip install gpumem[cuda]" in reason
+    assert not ok and "pip install gpumem-pool[cuda]" in reason
     with pytest.raises(BackendUnavailableError, match="cuda-python is not installed"):
         be.open(0)
     with pytest.raises(BackendUnavailableError):
@@ -719,7 +719,7 @@ def test_opencl_without_package(monkeypatch):
     monkeypatch.setitem(sys.modules, "pyopencl", None)
     be = opencl_mod.OpenCLBackend()
     ok, reason = be.availability()
-    assert not ok and "pip install gpumem[opencl]" in reason
+    assert not ok and "pip install gpumem-pool[opencl]" in reason
     with pytest.raises(BackendUnavailableError, match="pyopencl is not installed"):
         be.open(0)
     with pytest.raises(BackendUnavailableError):

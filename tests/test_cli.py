@@ -13,7 +13,8 @@ import pytest
 from gpumem.cli import DEMO_TRACE, main
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED = REPO.parent / "shared" / "traces"
+#: the four real PyTorch traces shipped in the repository (see its README.md)
+SHARED = REPO / "gpumem" / "data" / "traces"
 needs_mpl = pytest.mark.skipif(
     __import__("importlib").util.find_spec("matplotlib") is None,
     reason="matplotlib is not installed")
@@ -122,7 +123,6 @@ def test_replay_errors(capsys, tmp_path):
     assert code == 2 and "required" in _one_error_line(err)
 
 
-@pytest.mark.skipif(not SHARED.is_dir(), reason="../shared/traces is absent")
 def test_replay_phase_and_list(capsys):
     trace = str(SHARED / "resnet50_train.csv.gz")
     code, out, err = run(capsys, "replay", trace, "--list-phases")
@@ -200,3 +200,60 @@ def test_python_m_gpumem_errors_are_one_line(tmp_path):
     r = subprocess.run([sys.executable, "-m", "gpumem", "info"], capture_output=True,
                        text=True, cwd=REPO, env=env, timeout=120)
     assert r.returncode == 0 and "sim:0" in r.stdout
+
+
+# --- issue 15 item 10 ------------------------------------------------------------------------------
+@pytest.mark.parametrize("argv", [
+    ("replay", "demo", "--json", "-"),
+    ("snapshot", "--json", "-"),
+])
+def test_json_dash_writes_only_json_to_stdout(capsys, argv):
+    """real: with --json - stdout is one JSON document ending in a newline; the human report
+    goes to stderr."""
+    code, out, err = run(capsys, *argv)
+    assert code == 0, err
+    assert out.endswith("}\n")
+    json.loads(out)                  # nothing but JSON
+    assert err.strip()               # the report is still shown
+
+
+def test_estimate_defaults_and_training(capsys):
+    """real: `gpumem estimate --model gpt2` works with no --seq-len (the model's maximum,
+    1024); --training adds gradients and optimizer state; the MoE preset is listed."""
+    code, out, err = run(capsys, "estimate", "--model", "gpt2")
+    assert code == 0, err
+    assert "1024 tokens (the model's maximum)" in out
+    code, out, err = run(capsys, "estimate", "--model", "gpt2", "--json")
+    assert code == 0 and out.endswith("\n") and json.loads(out)["seq_len"] == 1024
+    code, out, err = run(capsys, "estimate", "--model", "gpt2", "--training", "--json",
+                         "--seq-len", "256")
+    d = json.loads(out)
+    assert code == 0 and d["mode"] == "training" and d["optimizer"] == "adam"
+    assert d["model_bytes"] + d["gradient_bytes"] + d["optimizer_bytes"] == 16 * 124_439_808
+    code, out, err = run(capsys, "estimate", "--model", "gpt2", "--training",
+                         "--optimizer", "sgd", "--seq-len", "256")
+    assert code == 0 and "gradients" in out and "training with sgd" in out
+    code, out, err = run(capsys, "estimate", "--list")
+    assert code == 0 and "mixtral-8x7b" in out and "2/8" in out
+    code, out, err = run(capsys, "estimate", "--hidden-size", "64", "--intermediate-size",
+                         "256", "--layers", "2", "--vocab-size", "100", "--heads", "8")
+    assert code == 2 and "--seq-len" in _one_error_line(err)
+
+
+def test_demo_output_is_clean_and_aligned(capsys):
+    """real (sim): a successful demo emits no warning (neither a Python warning nor a log
+    line on stderr), prints each step's label before its outcome (the 1 GiB OOM comes after
+    its label) with the outcome columns aligned, and names the replay device once."""
+    import warnings
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        code, out, err = run(capsys, "demo")
+    assert code == 0, err
+    assert err == "" and [str(w.message) for w in rec] == []
+    steps = [ln for ln in out.splitlines() if ln.startswith("  malloc") or ln.startswith("  free ")]
+    assert len(steps) >= 9
+    outcome_at = {next(i for i in range(52, len(ln)) if ln[i] != " ") for ln in steps}
+    assert len(outcome_at) == 1, steps
+    oom = out.index("malloc 1 GiB (more than the device)")
+    assert oom < out.index("out of memory on sim:0")
+    assert "sim(80.00 GiB) (80.00 GiB)" not in out

@@ -286,3 +286,44 @@ def test_debug_env_turns_on_leak_tracking_in_a_manager(sim_device, monkeypatch):
     with MemoryManager("sim:0", MemoryConfig(min_free_bytes=0)) as mm:
         with pytest.raises(InvalidInputError, match="track_allocations"):
             mm.check_leaks()
+
+
+# --- ranges (issue 9 bug 8) and misspelled variables (issue 15 item 12) ---------------------------
+@pytest.mark.parametrize("name", ["granularity", "max_split_size", "small_segment",
+                                  "max_pool_size", "large_split_min", "oversize_slack"])
+@pytest.mark.parametrize("value", [2**64, 2**64 + 512, 2**70])
+def test_sizes_past_the_pools_range_are_refused_at_construction(name, value):
+    """real: a size the C pool cannot hold is an InvalidInputError naming the field at
+    MemoryConfig(), not an OverflowError later in MemoryManager (granularity's values are
+    powers of two or not: both are refused by the range check or the power-of-two check)."""
+    with pytest.raises(InvalidInputError, match=name):
+        MemoryConfig(**{name: value})
+
+
+def test_largest_allowed_size_builds_a_manager(sim_device):
+    """real (sim): the bound is inclusive and the pool takes it (no overflow inside)."""
+    from gpumem.config import MAX_BYTES
+    sim_device("1GiB")
+    cfg = MemoryConfig(max_pool_size=MAX_BYTES, max_split_size=MAX_BYTES, min_free_bytes=0)
+    with MemoryManager("sim:0", cfg) as mm:
+        mm.malloc(4096).free()
+    with pytest.raises(InvalidInputError, match="max_pool_size"):
+        MemoryConfig(max_pool_size=MAX_BYTES + 1)
+
+
+def test_misspelled_variable_warns_naming_the_known_ones():
+    """real: GPUMEM_MIN_FREE_BYTE (no S) is not silently ignored: an UnknownSettingWarning
+    names it, suggests the right one and lists the known variables; known ones do not warn."""
+    import warnings
+
+    from gpumem import UnknownSettingWarning
+    with pytest.warns(UnknownSettingWarning) as rec:
+        cfg = MemoryConfig.from_env({"GPUMEM_MIN_FREE_BYTE": "1GiB"})
+    msg = str(rec[0].message)
+    assert "GPUMEM_MIN_FREE_BYTE " in msg and "did you mean GPUMEM_MIN_FREE_BYTES" in msg
+    assert "GPUMEM_GPU_MEMORY_FRACTION" in msg and "GPUMEM_SIM_DEVICES" in msg
+    assert cfg.min_free_bytes == MemoryConfig().min_free_bytes
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        MemoryConfig.from_env({"GPUMEM_MIN_FREE_BYTES": "1GiB", "GPUMEM_DEBUG": "1",
+                               "GPUMEM_SIM_DEVICES": "1", "OTHER": "x"})

@@ -292,3 +292,77 @@ def test_model_shape_validates() -> None:
 def test_errors_are_value_errors() -> None:
     with pytest.raises(ValueError):
         parse_dtype("nope")
+
+
+# --------------------------------------------------------------------------- issue 10 item 4, issue 15 item 10
+
+def test_mib_helpers_divide_by_2_20() -> None:
+    """real: model_mb / kv_cache_mb / activation_mb / total_mb are MiB (2**20), so seed 000's
+    ``est.model_mb() / 1024`` prints GiB."""
+    est = estimate_model("llama-2-7b", seq_len=2048, batch_size=2)
+    assert est.model_mb() == est.model_bytes / 2**20
+    assert est.kv_cache_mb() == est.kv_cache_bytes / 2**20
+    assert est.activation_mb() == est.activation_bytes / 2**20
+    assert est.total_mb() == pytest.approx(est.model_mb() + est.kv_cache_mb() + est.activation_mb())
+    assert est.model_mb() / 1024 == pytest.approx(est.model_gib())
+    # llama-2-7b fp16 weights: 6,738,415,616 * 2 bytes = 12,852.5 MiB
+    assert est.model_mb() == pytest.approx(12852.51, abs=0.01)
+
+
+def test_mixture_of_experts_preset_reproduces_mixtral() -> None:
+    """real: Mixtral-8x7B's published 46,702,792,704 parameters come out of the formula with 8
+    experts (all counted) plus the router; the MLP activations scale with the 2 active experts;
+    the KV cache is that of the dense model with the same attention."""
+    m = MODEL_PRESETS["mixtral-8x7b"]
+    assert (m.num_experts, m.experts_per_token) == (8, 2)
+    assert m.parameter_count() == m.published_parameters == 46_702_792_704
+    dense = dataclasses.replace(m, num_experts=1, experts_per_token=1, published_parameters=None)
+    moe, one = m.estimate(256), dense.estimate(256)
+    assert moe.kv_cache_bytes == one.kv_cache_bytes
+    assert moe.activation_bytes - one.activation_bytes == 2 * 256 * m.intermediate_size
+    with pytest.raises(InvalidInputError, match="experts_per_token"):
+        dataclasses.replace(m, experts_per_token=9)
+
+
+def test_presets_are_data_and_default_to_the_models_maximum(tmp_path) -> None:
+    """real: MODEL_PRESETS is read from gpumem/data/model_presets.json; seq_len None is the
+    model's trained context (gpt2: 1024); a bad preset file names the model and field."""
+    import json
+
+    from gpumem.estimate import PRESETS_FILE, load_presets
+    raw = json.loads(PRESETS_FILE.read_text())
+    assert set(MODEL_PRESETS) == {k for k in raw if not k.startswith("_")}
+    assert estimate_model("gpt2") == estimate_model("gpt2", seq_len=1024)
+    assert estimate_model("llama-3-8b") == estimate_model("llama-3-8b", seq_len=8192)
+    bad = tmp_path / "p.json"
+    bad.write_text(json.dumps({"tiny": {"hidden_size": 64, "hiden": 3}}))
+    with pytest.raises(InvalidInputError, match="'tiny'.*hiden"):
+        load_presets(bad)
+    shape = ModelShape(64, 256, 2, 100, 8, 2)
+    with pytest.raises(InvalidInputError, match="seq_len"):
+        shape.estimate()
+
+
+def test_training_estimate_adam_mixed_precision_is_16_bytes_per_parameter() -> None:
+    """real: Adam with fp16 weights keeps weights 2 + gradients 2 + fp32 master 4 + two fp32
+    moments 8 = 16 bytes per parameter (ZeRO paper); SGD without momentum in fp32 keeps
+    weights + gradients only; activations follow Korthikanti et al. eq. 1 plus the logits."""
+    from gpumem.estimate_training import estimate_training_memory
+    g = MODEL_PRESETS["gpt2"]
+    p = g.parameter_count()
+    est = estimate_training_memory("gpt2", seq_len=512, batch_size=4, dtype="fp16")
+    assert est.model_bytes + est.gradient_bytes + est.optimizer_bytes == 16 * p
+    s, b, h, a, L = 512, 4, 768, 12, 12
+    assert est.activation_bytes == L * (s * b * h * 34 + 5 * a * s * s * b) + s * b * 50257 * 2
+    assert est.total_bytes == sum(v for k, v in est.as_dict().items()
+                                  if k.endswith("_bytes") and k != "total_bytes")
+    sgd = estimate_training_memory(g, seq_len=512, batch_size=4, dtype="fp32", optimizer="sgd")
+    assert sgd.optimizer_bytes == 0 and sgd.model_bytes == sgd.gradient_bytes == 4 * p
+    mom = estimate_training_memory(g, seq_len=512, batch_size=4, dtype="fp32",
+                                   optimizer="sgd-momentum")
+    assert mom.optimizer_bytes == 4 * p
+    assert estimate_training_memory("gpt2").activation_bytes > est.activation_bytes / 4
+    with pytest.raises(InvalidInputError, match="optimizer"):
+        estimate_training_memory("gpt2", optimizer="lion")
+    with pytest.raises(InvalidInputError, match="max_position_embeddings"):
+        estimate_training_memory("gpt2", seq_len=2048)

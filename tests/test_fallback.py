@@ -224,3 +224,78 @@ def test_fallback_disabled_by_env():
     mm = MemoryManager("sim:0", cfg)
     with pytest.raises(OutOfMemoryError):
         mm.malloc(100 * MiB)
+
+
+# --- visible fallback (issue 15 item 3) -----------------------------------------------------------
+def test_first_fallback_warns_once_with_a_filterable_category():
+    """real (sim): the first fallback of a manager emits a CpuFallbackWarning (a GpumemWarning,
+    a UserWarning) pointing at the caller's line; the second does not warn again."""
+    import warnings
+
+    from gpumem import CpuFallbackWarning, GpumemWarning
+    dev, mm = sim()
+    hold = mm.malloc(200 * MiB)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        fb1 = mm.malloc(100 * MiB)
+        fb2 = mm.malloc(100 * MiB)
+    assert isinstance(fb1, FallbackBuffer) and isinstance(fb2, FallbackBuffer)
+    ours = [w for w in rec if issubclass(w.category, GpumemWarning)]
+    assert len(ours) == 1 and ours[0].category is CpuFallbackWarning
+    assert issubclass(CpuFallbackWarning, UserWarning)
+    assert ours[0].filename == __file__
+    assert "fallback=False" in str(ours[0].message)
+    for b in (fb1, fb2, hold):
+        b.free()
+
+
+def test_fallback_warning_as_error_leaves_nothing_allocated():
+    """real (sim): with the category turned into an error, malloc raises it and no host
+    memory is handed out (stats unchanged); the device buffers are untouched."""
+    import warnings
+
+    from gpumem import CpuFallbackWarning
+    dev, mm = sim()
+    hold = mm.malloc(200 * MiB)
+    before = mm.stats()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CpuFallbackWarning)
+        with pytest.raises(CpuFallbackWarning):
+            mm.malloc(100 * MiB)
+    after = mm.stats()
+    assert (after.cpu_fallbacks, after.fallback_bytes, after.active_buffers) == (
+        before.cpu_fallbacks, before.fallback_bytes, before.active_buffers)
+    hold.free()
+
+
+def test_malloc_fallback_false_raises_oom_instead_of_host_memory():
+    """real (sim): malloc(..., fallback=False) refuses the CPU fallback for that call only;
+    the reason says so; the next plain malloc still falls back. A non-bool is refused."""
+    dev, mm = sim()
+    hold = mm.malloc(200 * MiB)
+    with pytest.raises(OutOfMemoryError, match="fallback=False"):
+        mm.malloc(100 * MiB, fallback=False)
+    assert mm.stats().cpu_fallbacks == 0
+    small = mm.malloc(4096, fallback=False)          # a hit is served as usual
+    assert isinstance(small, Buffer)
+    with pytest.warns(UserWarning):
+        fb = mm.malloc(100 * MiB)
+    assert isinstance(fb, FallbackBuffer)
+    with pytest.raises(InvalidInputError, match="fallback must be True or False"):
+        mm.malloc(4096, fallback=0)
+    for b in (fb, small, hold):
+        b.free()
+
+
+def test_buffer_and_fallback_buffer_share_one_public_base():
+    """real (sim): isinstance(x, gpumem.AnyBuffer) holds for a device Buffer and a
+    FallbackBuffer, and not for other objects."""
+    from gpumem import AnyBuffer
+    dev, mm = sim()
+    dev_buf = mm.malloc(200 * MiB)
+    with pytest.warns(UserWarning):
+        fb = mm.malloc(100 * MiB)
+    assert isinstance(dev_buf, AnyBuffer) and isinstance(fb, AnyBuffer)
+    assert not isinstance(b"x", AnyBuffer)
+    fb.free()
+    dev_buf.free()

@@ -94,7 +94,7 @@ def test_shrink_keeps_busy_segments(manager):
     check(manager, [a])
 
 
-@pytest.mark.parametrize("bad", [-1, 1.5, "1MiB", None, True])
+@pytest.mark.parametrize("bad", [-1, 1.5, "1 MiBs", None, True, 2**64])
 def test_shrink_rejects_bad_targets(manager, bad):
     manager.malloc(12 * MiB).free()
     before = snapshot_state(manager)
@@ -133,6 +133,33 @@ def test_set_max_pool_size_trims_at_once(manager):
         manager.set_max_pool_size(-1)
     with pytest.raises(gpumem.InvalidInputError):
         manager.set_max_pool_size(2.5)
+
+
+def test_set_max_pool_size_takes_size_strings(manager):
+    """real (sim): set_max_pool_size("20MiB") works as the docs show it; shrink("0B") too."""
+    for b in [manager.malloc(12 * MiB) for _ in range(4)]:
+        b.free()
+    manager.set_max_pool_size("20MiB")
+    assert manager.stats().pooled_bytes <= 20 * MiB
+    manager.set_max_pool_size(None)
+    assert manager.shrink("0B") >= 0 and manager.stats().pooled_bytes == 0
+    check(manager, [])
+
+
+@pytest.mark.parametrize("bad", [2**64, 2**64 + 1, 2**70, "20 EiB"])
+def test_set_max_pool_size_out_of_range_changes_nothing(manager, bad):
+    """real (sim): issue 9 bug 8: set_max_pool_size(2**64) raised OverflowError after
+    changing the cap; now an InvalidInputError naming max_pool_size, cap and cache unchanged."""
+    manager.set_max_pool_size(40 * MiB)
+    for b in [manager.malloc(12 * MiB) for _ in range(3)]:
+        b.free()
+    before = snapshot_state(manager)
+    with pytest.raises(gpumem.InvalidInputError, match="max_pool_size"):
+        manager.set_max_pool_size(bad)
+    assert snapshot_state(manager) == before
+    assert manager._max_pool_size == 40 * MiB
+    manager.malloc(12 * MiB).free()      # the old cap still applies after a free
+    assert manager.stats().pooled_bytes <= 40 * MiB
 
 
 def test_free_above_the_cap_does_not_synchronize_when_nothing_is_releasable(make_manager):

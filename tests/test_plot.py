@@ -23,7 +23,7 @@ PNG = b"\x89PNG\r\n\x1a\n"
 
 needs_mpl = pytest.mark.skipif(
     __import__("importlib").util.find_spec("matplotlib") is None,
-    reason="matplotlib is not installed (pip install gpumem[plot])")
+    reason="matplotlib is not installed (pip install gpumem-pool[plot])")
 
 
 def _png_ok(path: Path) -> bool:
@@ -95,9 +95,9 @@ def test_without_matplotlib_says_what_to_install(monkeypatch, tmp_path):
         monkeypatch.delitem(sys.modules, mod)
     with pytest.raises(plot.PlotDependencyError) as ei:
         plot.plot_segments(_snapshot(), tmp_path / "x.png")
-    assert "pip install gpumem[plot]" in str(ei.value)
+    assert "pip install gpumem-pool[plot]" in str(ei.value)
     assert isinstance(ei.value, ImportError) and isinstance(ei.value, GpuMemoryError)
-    with pytest.raises(ImportError, match=r"gpumem\[plot\]"):
+    with pytest.raises(ImportError, match=r"gpumem-pool\[plot\]"):
         plot.plot_timeline(DEMO, tmp_path / "y.png")
     assert not (tmp_path / "x.png").exists()
 

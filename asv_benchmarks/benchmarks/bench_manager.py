@@ -1,10 +1,11 @@
 """MemoryManager at Python level on a big simulated device: the hit pair and a mixed workload,
 with allocation tracking off and on."""
-from . import KiB, MiB, MixedWorkload, sim_manager
+from . import OPS_PER_CALL, KiB, MiB, MixedWorkload, sim_manager
 
 
 class HitPair:
-    """``mm.free(mm.malloc(n))`` for a size the cache holds."""
+    """``free(malloc(n))`` for a size the cache holds, OPS_PER_CALL (1000) times per call:
+    asv's time / 1000 is the time of one pair, the figure compare.py reports."""
 
     params = [[512, 4 * KiB, 1 * MiB, 8 * MiB], [False, True]]
     param_names = ["nbytes", "tracking"]
@@ -16,12 +17,26 @@ class HitPair:
     def teardown(self, nbytes, tracking):
         self.mm.close()
 
-    def time_malloc_free(self, nbytes, tracking):
-        self.mm.free(self.mm.malloc(nbytes))
+    def time_1000_pairs(self, nbytes, tracking):
+        malloc, free = self.mm.malloc, self.mm.free
+        for _ in range(OPS_PER_CALL):
+            free(malloc(nbytes))
 
-    def time_malloc_free_with_block(self, nbytes, tracking):
-        with self.mm.malloc(nbytes):
-            pass
+    def time_1000_pairs_with_block(self, nbytes, tracking):
+        malloc = self.mm.malloc
+        for _ in range(OPS_PER_CALL):
+            with malloc(nbytes):
+                pass
+
+
+class LoopFloor:
+    """The same loop with two trivial calls (compare.py's "python loop + 2 calls" row): the
+    Python-level floor under every 1000-pair figure, measured in the same run."""
+
+    def time_1000_loop_and_2_calls(self):
+        f1 = f2 = abs
+        for _ in range(OPS_PER_CALL):
+            f2(f1(4096))
 
 
 class Mixed:

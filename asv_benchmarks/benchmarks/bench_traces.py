@@ -1,4 +1,4 @@
-"""Replay of the real allocation traces (../shared/traces/*.csv.gz) through a MemoryManager
+"""Replay of the real allocation traces (gpumem/data/traces/*.csv.gz) through a MemoryManager
 on a 1 TiB simulated device.
 
 - ``TraceReplay.time_replay_cold``: a fresh manager replays the whole trace (segments are created

@@ -339,10 +339,11 @@ cdef class ManagerCore:
         request must go through Python instead; valid while they hold a reference to self."""
         return <size_t>&self._closed, <size_t>&self._hooks
 
-    def malloc(self, nbytes, *, stream=None, tag=None):
+    def malloc(self, nbytes, *, stream=None, tag=None, fallback=True):
         """A Buffer of at least nbytes on this manager's device (stream: int or an object with
         a `handle`), or a FallbackBuffer in host memory when the device is exhausted and CPU
-        fallback is on. Raises OutOfMemoryError when neither can serve."""
+        fallback is on (the config's ``cpu_fallback_enabled``, and `fallback` for this call).
+        Raises OutOfMemoryError when neither can serve."""
         cdef long long n
         cdef uint64_t s
         if type(nbytes) is int and 0 <= nbytes < _SIZE_TOO_BIG:
@@ -355,21 +356,27 @@ cdef class ManagerCore:
             s = self._stream_handle(stream)
         if n == _SIZE_TOO_BIG and not self._closed:
             raise self._oom_error(operator.index(nbytes))   # no device holds it: say what was asked
-        return self._malloc_c(n, s, tag)
+        if fallback is True:                 # the hot path: one pointer comparison
+            return self._malloc_c(n, s, tag)
+        if fallback is False:
+            return self._malloc_c(n, s, tag, False)
+        raise InvalidInputError(f"fallback must be True or False, got "
+                                f"{type(fallback).__name__} {fallback!r}")
 
-    cdef object _malloc_c(self, long long n, uint64_t s, object tag):
-        """malloc after argument checks (shared with PlacementCore)."""
+    cdef object _malloc_c(self, long long n, uint64_t s, object tag, bint fallback=True):
+        """malloc after argument checks (shared with PlacementCore); `fallback` False: an
+        exhausted device raises OutOfMemoryError instead of returning host memory."""
         cdef gm_block* b
         if self._closed:
             raise ClosedManagerError(f"the manager for {self.device_string} is closed")
         if self.pending_free_bytes:
             self.collect_pending_frees()
-        if self._ndead and s in self._dead_streams:
-            return self._malloc_slow(n, s, tag)       # refused there, or revived (handle reused)
-        if <size_t>n > self._max_request:
-            return self._malloc_slow(n, s, tag)
-        if gm_alloc_gil(self._p, <size_t>n, s, &b) != GM_OK:
-            return self._malloc_slow(n, s, tag)
+        if self._ndead and s in self._dead_streams:       # refused there, or revived (handle reused)
+            return self._malloc_slow(n, s, tag) if fallback else \
+                self._malloc_slow(n, s, tag, False)
+        if <size_t>n > self._max_request or gm_alloc_gil(self._p, <size_t>n, s, &b) != GM_OK:
+            return self._malloc_slow(n, s, tag) if fallback else \
+                self._malloc_slow(n, s, tag, False)
         return self._wrap(b, <size_t>n, s, tag)
 
     def free(self, buffer) -> None:
@@ -598,7 +605,7 @@ cdef class ManagerCore:
     def _check_stream(self, stream) -> None:
         pass
 
-    def _malloc_slow(self, nbytes, stream, tag):
+    def _malloc_slow(self, nbytes, stream, tag, fallback=True):
         raise TypeError("ManagerCore is abstract: use gpumem.MemoryManager")
 
     def _on_alloc(self, buf) -> None:

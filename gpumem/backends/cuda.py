@@ -38,7 +38,7 @@ __all__ = ["CudaBackend", "CudaDevice", "BACKEND", "check", "usable_memory_reser
 # "Device Memory Accesses"), so blocks carved at multiples of this stay aligned for any type.
 CUDA_ALIGNMENT = 256
 
-_INSTALL_HINT = "cuda-python is not installed (pip install gpumem[cuda])"
+_INSTALL_HINT = "cuda-python is not installed (pip install gpumem-pool[cuda])"
 
 
 # --------------------------------------------------------------------------------------------

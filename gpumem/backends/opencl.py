@@ -46,7 +46,7 @@ from gpumem.units import format_bytes
 
 __all__ = ["OpenCLBackend", "OpenCLDevice", "BACKEND", "map_cl_error", "ADDRESS_STRIDE"]
 
-_INSTALL_HINT = "pyopencl is not installed (pip install gpumem[opencl])"
+_INSTALL_HINT = "pyopencl is not installed (pip install gpumem-pool[opencl])"
 
 # Each device's synthetic addresses start at (index + 1) * ADDRESS_STRIDE: 256 TiB apart, so
 # ranges of different devices never meet and never collide with 0 (NULL).
