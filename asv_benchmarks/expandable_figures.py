@@ -1,4 +1,4 @@
-"""Expandable segments off vs on, side by side in one run: every trace in ../shared/traces (or
+"""Expandable segments off vs on, side by side in one run: every trace shipped in gpumem/data/traces (or
 GPUMEM_TRACES) replayed with :func:`gpumem.replay` on a fresh sim:80GiB, for the default,
 constrained and inference presets. Prints a Markdown table: peak physical bytes (the pool's peak
 reserved bytes, which with expandable segments are exactly the mapped pages) over peak live
@@ -22,7 +22,7 @@ HERE = Path(__file__).resolve().parent
 
 
 def trace_paths() -> list[Path]:
-    root = Path(os.environ.get("GPUMEM_TRACES", HERE.parent.parent / "shared" / "traces"))  # as benchmarks/__init__.py
+    root = Path(os.environ.get("GPUMEM_TRACES", HERE.parent / "gpumem" / "data" / "traces"))
     return sorted(root.glob("*.csv.gz"))
 
 

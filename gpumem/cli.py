@@ -332,17 +332,9 @@ def cmd_summary(args: argparse.Namespace) -> int:
         finally:
             for b in live:
                 b.free()
-    if args.json == "-":
-        _out(json.dumps(data, indent=1))
-        return EXIT_OK
-    _out(format_summary(data))
+    _out(format_summary(data))               # on stderr when --json - takes stdout
     if args.json:
-        try:
-            with open(args.json, "w") as f:
-                json.dump(data, f, indent=1)
-        except OSError as exc:
-            raise CliError(f"cannot write {args.json}: {exc.strerror or exc}") from None
-        _out(f"wrote {args.json}")
+        _write_json(data, args.json)
     return EXIT_OK
 
 

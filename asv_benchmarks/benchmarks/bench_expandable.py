@@ -1,4 +1,4 @@
-"""Expandable segments off vs on, each trace of ../shared/traces replayed with
+"""Expandable segments off vs on, each trace of gpumem/data/traces replayed with
 :func:`gpumem.replay` on a fresh sim:80GiB under the default, constrained and inference presets
 (peers in one run: the ``expandable`` parameter).
 
