@@ -58,7 +58,7 @@ def cuda_native_extension() -> list[Extension]:
 DIRECTIVES = {"language_level": "3"}
 core = [Extension(f"gpumem._core.{name}", [f"gpumem/_core/{name}.pyx"], language="c++",
                   extra_compile_args=extra)
-        for name in ("pool", "buffer")]
+        for name in ("pool", "buffer", "dlpack", "view")]
 
 setup(
     packages=find_packages(include=["gpumem", "gpumem.*", "gpumem_sim", "gpumem_sim.*"]),

@@ -146,6 +146,12 @@ class Device(abc.ABC):
     def destroy_event(self, event: int) -> None:
         """Release an event from :meth:`record_event` (it may still be pending)."""
 
+    def wait_event(self, stream: int, event: int) -> None:
+        """Make work submitted to ``stream`` after this call wait for ``event``, without
+        blocking the host where the driver can (DLPack hands a buffer to another stream)."""
+        self.stream_idle(stream)          # validates the stream
+        self.synchronize()                # the coarse default: everything before is done
+
     def close(self) -> None:
         """Release driver resources held by this object (contexts, queues). Idempotent."""
 
