@@ -11,10 +11,10 @@ from gpumem._core.buffer import Buffer
 from gpumem._core.pool import CachingPool
 from gpumem.backends import devices
 from gpumem.config import MemoryConfig
-from gpumem.errors import (BackendUnavailableError, ClosedManagerError, DoubleFreeError,
-                           DriverError, DriverOutOfMemory, ForeignBufferError, GpuMemoryError,
-                           InvalidDeviceError, InvalidInputError, OutOfMemoryError,
-                           TraceFormatError)
+from gpumem.errors import (BackendUnavailableError, BufferInUseError, ClosedManagerError,
+                           DoubleFreeError, DriverError, DriverOutOfMemory, ForeignBufferError,
+                           GpuMemoryError, InvalidDeviceError, InvalidInputError,
+                           OutOfMemoryError, TraceFormatError)
 from gpumem.batch import BufferBatch, allocate_batch, warmup
 from gpumem.estimate import (MODEL_PRESETS, MemoryEstimate, estimate_inference_memory,
                              estimate_model)
@@ -38,7 +38,7 @@ __all__ = [
     "estimate_inference_memory", "estimate_model", "MemoryEstimate", "MODEL_PRESETS",
     "select_backend_for_model", "devices", "format_bytes", "parse_size",
     "GpuMemoryError", "OutOfMemoryError", "InvalidInputError", "InvalidDeviceError",
-    "DoubleFreeError", "ForeignBufferError", "ClosedManagerError", "BackendUnavailableError",
+    "DoubleFreeError", "ForeignBufferError", "BufferInUseError", "ClosedManagerError", "BackendUnavailableError",
     "DriverError", "DriverOutOfMemory", "TraceFormatError",
 ]
 

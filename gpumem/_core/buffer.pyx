@@ -223,8 +223,7 @@ cdef class Buffer:
     def view(self, dtype="uint8", shape=None, strides=None, offset=0, *, readonly=False):
         """A typed zero-copy view: ``shape`` elements of ``dtype`` (numpy dtype rules) starting
         ``offset`` bytes in, with byte ``strides`` (None: C order; shape None: 1-D over the rest
-        of the buffer). It offers ``__array_interface__`` and the buffer protocol (host
-        memory), ``__cuda_array_interface__`` (cuda) and ``__dlpack__``. While it (or an array
+        of the buffer). It offers ``__array_interface__`` (host memory), ``__cuda_array_interface__`` (cuda) and ``__dlpack__``. While it (or an array
         made from it) lives, ``free()`` raises BufferInUseError. InvalidInputError names the
         argument that does not fit the buffer."""
         return _view_class()._of(self, dtype, shape, strides, offset, readonly)
@@ -251,14 +250,14 @@ cdef class Buffer:
 
     @property
     def __array_interface__(self) -> dict:
-        """The whole buffer as 1-D uint8 for numpy (host memory only). Its ``data`` is a view
-        (buffer protocol) rather than an address, so numpy keeps that view as the array's base
-        and free() is refused while the array lives."""
+        """The whole buffer as 1-D uint8 for numpy (host memory only). Its ``data`` is the
+        bytes of a view (buffer protocol) rather than an address, so numpy keeps that view
+        alive with the array and free() is refused while the array lives."""
         if self._owner.device.backend != "cpu":
             raise AttributeError("__array_interface__ is only offered by host (cpu) buffers")
         v = self.view()
         d = v.__array_interface__
-        d["data"] = v
+        d["data"] = v._flat_bytes()
         return d
 
     def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):

@@ -4,8 +4,8 @@
 A :class:`BufferView` is a dtype, a shape, byte strides and a byte offset over one Buffer, and
 exposes them to array libraries without copying:
 
-- ``__array_interface__`` (v3) and the Python buffer protocol for host memory (the ``cpu``
-  device, pinned or not, and CPU-fallback buffers): ``numpy.asarray(view)``, ``memoryview(view)``;
+- ``__array_interface__`` (v3) for host memory (the ``cpu`` device, pinned or not, and
+  CPU-fallback buffers): ``numpy.asarray(view)``;
 - ``__cuda_array_interface__`` (v3, with the buffer's stream) for ``cuda`` buffers;
 - ``__dlpack__`` / ``__dlpack_device__`` (array-API rules) for both: kDLCPU for pageable host
   memory, kDLCUDAHost for pinned host memory, kDLCUDA for device memory.
@@ -113,8 +113,6 @@ cdef class BufferView:
     cdef readonly bint c_contiguous
     cdef readonly Py_ssize_t nbytes     # bytes the elements cover (size * itemsize)
     cdef bint _counted
-    cdef Py_ssize_t _flat_shape[1]      # the buffer protocol's shape and strides (bytes)
-    cdef Py_ssize_t _flat_strides[1]
 
     def __init__(self, *args, **kwargs):
         raise TypeError("BufferViews come from Buffer.view(); they cannot be built directly")
@@ -256,39 +254,23 @@ cdef class BufferView:
                                  f"and CPU fallback); this view is on {self.buffer.device}")
         return self._interface()
 
-    def __getbuffer__(self, Py_buffer* info, int flags):
-        # The view's bytes, flat ('B'): C-contiguous host views only. Keeps `self` (and so the
-        # Buffer) alive for as long as the exporter's consumer holds it.
+    def _flat_bytes(self) -> _ViewBytes:
+        """The view's bytes behind the Python buffer protocol (host, C-contiguous views): what
+        ``Buffer.__array_interface__`` gives numpy as ``data``, so numpy keeps it (and this
+        view) as the array's base. A separate object, because numpy prefers the buffer
+        protocol to ``__array_interface__`` and would ignore the view's dtype and shape."""
+        cdef _ViewBytes b
         if self._backend() != "cpu":
             raise BufferError(f"the buffer protocol is offered for host memory only; this view "
                               f"is on {self.buffer.device}")
         if not self.c_contiguous:
             raise BufferError("the buffer protocol exports C-contiguous views only; this one "
                               f"has strides {self.strides}")
-        if self.readonly and (flags & PyBUF_WRITABLE) == PyBUF_WRITABLE:
-            raise BufferError("this view is read-only")
-        info.buf = <void*><size_t>self.ptr
-        info.obj = self
-        info.len = self.nbytes
-        info.readonly = self.readonly
-        info.itemsize = 1
-        info.format = NULL
-        if (flags & PyBUF_FORMAT) == PyBUF_FORMAT:
-            info.format = _FORMAT_B
-        info.ndim = 1
-        self._flat_shape[0] = self.nbytes
-        self._flat_strides[0] = 1
-        info.shape = NULL
-        info.strides = NULL
-        if (flags & PyBUF_ND) == PyBUF_ND:
-            info.shape = self._flat_shape
-        if (flags & PyBUF_STRIDES) == PyBUF_STRIDES:
-            info.strides = self._flat_strides
-        info.suboffsets = NULL
-        info.internal = NULL
-
-    def __releasebuffer__(self, Py_buffer* info):
-        pass
+        b = _ViewBytes.__new__(_ViewBytes)
+        b.view = self
+        b.shape[0] = self.nbytes
+        b.strides[0] = 1
+        return b
 
     # --- CUDA array interface ----------------------------------------------------------------------
     @property
@@ -375,3 +357,38 @@ cdef class BufferView:
             device.destroy_event(event)
         if consumer != 2:   # the per-thread default stream is a different one in each thread
             buf.record_stream(consumer)
+
+
+@cython.final
+cdef class _ViewBytes:
+    """A host BufferView's bytes, flat ('B'), through the Python buffer protocol."""
+
+    cdef readonly BufferView view
+    cdef Py_ssize_t shape[1]
+    cdef Py_ssize_t strides[1]
+
+    def __getbuffer__(self, Py_buffer* info, int flags):
+        cdef BufferView v = self.view
+        if v.readonly and (flags & PyBUF_WRITABLE) == PyBUF_WRITABLE:
+            raise BufferError("this view is read-only")
+        v._backend()                         # raises once the manager is closed
+        info.buf = <void*><size_t>v.ptr
+        info.obj = self
+        info.len = v.nbytes
+        info.readonly = v.readonly
+        info.itemsize = 1
+        info.format = NULL
+        if (flags & PyBUF_FORMAT) == PyBUF_FORMAT:
+            info.format = _FORMAT_B
+        info.ndim = 1
+        info.shape = NULL
+        info.strides = NULL
+        if (flags & PyBUF_ND) == PyBUF_ND:
+            info.shape = self.shape
+        if (flags & PyBUF_STRIDES) == PyBUF_STRIDES:
+            info.strides = self.strides
+        info.suboffsets = NULL
+        info.internal = NULL
+
+    def __releasebuffer__(self, Py_buffer* info):
+        pass
