@@ -76,7 +76,7 @@ def test_every_framework_stream_names_the_same_stream(manager, form):
 
 @pytest.mark.parametrize("stream, exc, words", [
     (object(), TypeError, r"__cuda_stream__\(\) \(cuda.core\), .cuda_stream \(PyTorch\), "
-                          r".ptr \(CuPy\) or .handle; got object"),
+                          r".ptr \(CuPy\), .handle \(gpumem, cuda.core\); got object"),
     ("3", TypeError, "got str"),
     (2.0, TypeError, "got float"),
     (True, TypeError, "not a bool"),

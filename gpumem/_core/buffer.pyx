@@ -17,6 +17,7 @@ from gpumem._core.pool cimport (CachingPool, gm_pool, gm_block, gm_alloc, gm_fre
 import operator
 import warnings
 
+from gpumem._core.stream_handles import foreign_stream_handle
 from gpumem.errors import (BufferInUseError, ClosedManagerError, DoubleFreeError,
                            ForeignBufferError, InvalidInputError)
 
@@ -37,40 +38,6 @@ cdef long long _size_arg(object nbytes) except -1:
     if nbytes >= _SIZE_TOO_BIG:
         return _SIZE_TOO_BIG
     return PyLong_AsLongLong(nbytes)
-
-
-cdef object _foreign_stream_handle(object stream):
-    """The handle of another framework's stream object, tried in this order:
-    ``__cuda_stream__()`` (the cuda.core protocol: ``(version 0, handle)``), ``.cuda_stream``
-    (PyTorch), ``.ptr`` (CuPy), ``.handle`` (gpumem, cuda.core; may be a ``CUstream``)."""
-    cdef str source
-    method = getattr(stream, "__cuda_stream__", None)
-    if method is not None:
-        source = "__cuda_stream__()"
-        value = method()
-        if (type(value) is not tuple or len(value) != 2 or isinstance(value[0], bool)
-                or not hasattr(value[0], "__index__")):
-            raise InvalidInputError(f"{type(stream).__name__}.__cuda_stream__() must return a "
-                                    f"(version, handle) tuple, got {value!r}")
-        if value[0] != 0:
-            raise InvalidInputError(f"{type(stream).__name__}.__cuda_stream__() has protocol "
-                                    f"version {value[0]}; gpumem understands version 0")
-        value = value[1]
-    else:
-        for source in ("cuda_stream", "ptr", "handle"):
-            value = getattr(stream, source, None)
-            if value is not None:
-                source = "." + source
-                break
-        else:
-            raise TypeError(
-                f"stream must be None, an int handle or a stream object with __cuda_stream__() "
-                f"(cuda.core), .cuda_stream (PyTorch), .ptr (CuPy) or .handle; got "
-                f"{type(stream).__name__}")
-    if isinstance(value, bool) or not hasattr(value, "__index__"):
-        raise TypeError(f"the stream handle from {type(stream).__name__}{source} must be an "
-                        f"int, got {type(value).__name__} {value!r}")
-    return operator.index(value)
 
 
 @cython.final
@@ -519,7 +486,7 @@ cdef class ManagerCore:
 
     def _stream_handle(self, stream) -> int:
         """The integer handle of a stream argument: an int, or a stream object of any framework
-        (``_foreign_stream_handle``). Values outside [0, 2**64) raise InvalidInputError."""
+        (``foreign_stream_handle``). Values outside [0, 2**64) raise InvalidInputError."""
         if type(stream) is int and 0 <= stream < _STREAM_LIMIT:
             return stream
         if isinstance(stream, bool):
@@ -527,7 +494,7 @@ cdef class ManagerCore:
         if hasattr(stream, "__index__"):
             handle = operator.index(stream)
         else:
-            handle = _foreign_stream_handle(stream)
+            handle = foreign_stream_handle(stream)
         if not 0 <= handle < _STREAM_LIMIT:
             raise InvalidInputError(f"stream handle must be in [0, 2**64), got {handle}")
         return handle

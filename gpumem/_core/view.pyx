@@ -101,6 +101,7 @@ cdef object _parse_dtype(object dtype):
 
 
 @cython.final
+@cython.no_gc_clear            # __dealloc__ needs `buffer` to give its export back
 cdef class BufferView:
     """A typed window on a Buffer; made by ``Buffer.view()``, never directly."""
 
@@ -123,7 +124,8 @@ cdef class BufferView:
         cdef BufferView v
         cdef Py_ssize_t size = buffer.nbytes, itemsize
         if not buffer.alive:
-            raise InvalidInputError(f"buffer {buffer.id} has been freed")
+            raise InvalidInputError(f"buffer {buffer.id} has been freed (or its manager "
+                                    f"closed)")
         dt = _parse_dtype(dtype)
         itemsize = dt.itemsize
         if isinstance(offset, bool) or not hasattr(offset, "__index__"):
