@@ -125,6 +125,8 @@ def test_bad_view_arguments(host, kwargs, exc, words):
 def test_views_cannot_be_built_directly():
     with pytest.raises(TypeError, match="Buffer.view"):
         BufferView()
+    with pytest.raises(TypeError, match="made of gpumem Buffers"):
+        BufferView._of(bytearray(8), "u1", None, None, 0, False)
 
 
 def test_view_of_a_freed_buffer(host):

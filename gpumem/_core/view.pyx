@@ -27,6 +27,7 @@ import operator
 
 import numpy as np
 
+from gpumem._core.buffer import Buffer
 from gpumem._core.dlpack import make_capsule
 from gpumem.errors import InvalidInputError
 
@@ -122,7 +123,10 @@ cdef class BufferView:
     def _of(buffer, dtype, shape, strides, offset, readonly) -> BufferView:
         """Validate the arguments against ``buffer`` (nothing changes when one is wrong)."""
         cdef BufferView v
-        cdef Py_ssize_t size = buffer.nbytes, itemsize
+        cdef Py_ssize_t size, itemsize
+        if type(buffer) is not Buffer:
+            raise TypeError(f"views are made of gpumem Buffers, got {type(buffer).__name__}")
+        size = buffer.nbytes
         if not buffer.alive:
             raise InvalidInputError(f"buffer {buffer.id} has been freed (or its manager "
                                     f"closed)")
