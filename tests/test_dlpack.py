@@ -95,7 +95,7 @@ def test_non_native_byte_order_is_refused_by_dlpack_only(host):
         buf.view(">i4").__dlpack__()
 
 
-# --- the capsule's fields ----------------------------------------------------------------------------
+# --- the capsule's fields -------------------------------------------------------------------------
 @pytest.mark.parametrize("max_version", [None, (0, 8), (1, 0), (2, 3)])
 def test_capsule_fields(host, max_version):
     buf = host.malloc(1024)
@@ -137,7 +137,7 @@ def test_copy_and_device_requests(host):
     assert buf.exports == 0
 
 
-# --- lifetime: unconsumed, consumed, no leak ---------------------------------------------------------
+# --- lifetime: unconsumed, consumed, no leak ------------------------------------------------------
 @pytest.mark.parametrize("max_version", [None, (1, 0)])
 def test_unconsumed_capsule_releases_everything(host, max_version):
     buf = host.malloc(64)

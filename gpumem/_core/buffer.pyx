@@ -190,9 +190,10 @@ cdef class Buffer:
     def view(self, dtype="uint8", shape=None, strides=None, offset=0, *, readonly=False):
         """A typed zero-copy view: ``shape`` elements of ``dtype`` (numpy dtype rules) starting
         ``offset`` bytes in, with byte ``strides`` (None: C order; shape None: 1-D over the rest
-        of the buffer). It offers ``__array_interface__`` (host memory), ``__cuda_array_interface__`` (cuda) and ``__dlpack__``. While it (or an array
-        made from it) lives, ``free()`` raises BufferInUseError. InvalidInputError names the
-        argument that does not fit the buffer."""
+        of the buffer). It offers ``__array_interface__`` (host memory),
+        ``__cuda_array_interface__`` (cuda) and ``__dlpack__``. While it (or an array made from
+        it) lives, ``free()`` raises BufferInUseError. InvalidInputError names the argument that
+        does not fit the buffer."""
         return _view_class()._of(self, dtype, shape, strides, offset, readonly)
 
     @property

@@ -47,7 +47,6 @@ class DLDeviceType(enum.IntEnum):
 # long doubles, not IEEE binary128, so they have none (as in numpy's own exporter).
 _DL_CODES = {"i": 0, "u": 1, "f": 2, "c": 5, "b": 6}
 _DL_MAX_ITEMSIZE = {"f": 8, "c": 16}
-_SIZE_LIMIT = 1 << 62
 
 cdef char* _FORMAT_B = "B"
 
@@ -68,6 +67,14 @@ def dlpack_device(buffer) -> tuple:
 
 cdef tuple _int_tuple(object value, str name):
     """A tuple of ints from an int or a sequence of ints (TypeError otherwise)."""
+    if type(value) is tuple:
+        for v in <tuple>value:
+            if type(v) is not int:
+                break
+        else:
+            return <tuple>value              # the common case: already a tuple of ints
+    elif type(value) is int:
+        return (value,)
     if isinstance(value, bool):
         raise TypeError(f"{name} must be an int or a tuple of ints, not a bool")
     if hasattr(value, "__index__"):
@@ -83,7 +90,28 @@ cdef tuple _int_tuple(object value, str name):
     return tuple(items)
 
 
-cdef object _parse_dtype(object dtype):
+@cython.final
+cdef class _DtypeInfo:
+    """What the protocols need of one numpy dtype, worked out once (numpy's dtype attributes
+    cost ~100 ns each)."""
+    cdef object dtype
+    cdef Py_ssize_t itemsize
+    cdef Py_ssize_t alignment
+    cdef str typestr
+    cdef object descr               # list for structured dtypes, else None
+    cdef int dl_code                # DLPack type code, -1 when DLPack cannot carry the dtype
+
+
+cdef dict _DTYPE_INFO = {}          # dtype argument (or numpy.dtype) -> _DtypeInfo
+cdef Py_ssize_t _DTYPE_CACHE_MAX = 1024
+
+
+cdef _DtypeInfo _dtype_info(object dtype):
+    cdef _DtypeInfo info
+    try:
+        return _DTYPE_INFO[dtype]
+    except (KeyError, TypeError):    # TypeError: an unhashable spec (a list for structs)
+        pass
     try:
         dt = np.dtype(dtype)
     except (TypeError, ValueError) as exc:
@@ -98,7 +126,88 @@ cdef object _parse_dtype(object dtype):
     if dt.subdtype is not None:
         raise InvalidInputError(f"dtype {dt} is a sub-array dtype; put its shape "
                                 f"{dt.shape} into `shape` and pass dtype={dt.base}")
-    return dt
+    info = _DtypeInfo.__new__(_DtypeInfo)
+    info.dtype = dt
+    info.itemsize = dt.itemsize
+    info.alignment = dt.alignment
+    info.typestr = dt.str
+    info.descr = dt.descr if dt.names is not None else None
+    info.dl_code = -1
+    if (dt.kind in _DL_CODES and dt.itemsize <= _DL_MAX_ITEMSIZE.get(dt.kind, 8)
+            and dt.isnative and dt.names is None):
+        info.dl_code = _DL_CODES[dt.kind]
+    if len(_DTYPE_INFO) < _DTYPE_CACHE_MAX:
+        try:
+            _DTYPE_INFO[dtype] = info
+        except TypeError:
+            pass
+    return info
+
+
+cdef long long _C_LIMIT = 1LL << 62    # shapes, strides and products stay below this
+
+
+cdef tuple _layout(tuple shp, object strides, Py_ssize_t itemsize, Py_ssize_t offset,
+                   Py_ssize_t size):
+    """``(byte strides, C-contiguous?, element count)`` for ``shp``: C order when ``strides``
+    is None, else the given ones, checked (count, item-size multiples, every element inside
+    ``[0, size)``). C arithmetic: each value is bounded by 2**62 first, so nothing overflows."""
+    cdef Py_ssize_t nd = len(shp), i
+    cdef long long n = 1, d, st, expect = itemsize, lo = offset, hi = offset
+    cdef bint contiguous = True
+    cdef list c_order = [0] * nd
+    if nd > MAX_NDIM:
+        raise InvalidInputError(f"shape has {nd} dimensions; at most {MAX_NDIM}")
+    for i in range(nd):
+        if not 0 <= shp[i] < _C_LIMIT:
+            if shp[i] < 0:
+                raise InvalidInputError(f"shape must not be negative, got {shp}")
+            raise InvalidInputError(f"shape {shp} has more elements than memory can address")
+    for i in range(nd - 1, -1, -1):
+        d = shp[i]
+        c_order[i] = expect
+        if d > 1:
+            if expect > _C_LIMIT // d:
+                raise InvalidInputError(f"shape {shp} has more elements than memory can "
+                                        f"address")
+            expect *= d
+        n *= d                               # <= expect / itemsize: no overflow
+    if strides is None:
+        st_tuple = tuple(c_order)
+    else:
+        st_tuple = _int_tuple(strides, "strides")
+        if len(st_tuple) != nd:
+            raise InvalidInputError(f"strides has {len(st_tuple)} entries but shape has {nd}; "
+                                    f"give one byte stride per dimension")
+        for i in range(nd):
+            if not -_C_LIMIT < st_tuple[i] < _C_LIMIT:
+                raise InvalidInputError(f"strides {st_tuple} reach beyond the buffer of "
+                                        f"{size} bytes")
+            st = st_tuple[i]
+            if st % itemsize:
+                raise InvalidInputError(f"strides {st_tuple} must be multiples of the item "
+                                        f"size ({itemsize} bytes)")
+            if shp[i] != 1 and st != c_order[i]:
+                contiguous = False
+    if n:
+        for i in range(nd):
+            d = shp[i] - 1
+            st = st_tuple[i]
+            if d and (st if st >= 0 else -st) > _C_LIMIT // d:
+                lo = -1                      # |st| * d alone is past any buffer
+                break
+            if st < 0:
+                lo += st * d                 # each step adds less than 2**62 and is checked,
+            else:                            # so lo and hi never overflow
+                hi += st * d
+            if lo < 0 or hi > size:
+                break
+        hi += itemsize
+        if lo < 0 or hi > size:
+            what = "shape" if strides is None else "shape/strides"
+            raise InvalidInputError(f"{what} {shp}/{st_tuple} at offset {offset} reach "
+                                    f"outside the buffer's {size} bytes")
+    return st_tuple, contiguous, n
 
 
 @cython.final
@@ -114,6 +223,10 @@ cdef class BufferView:
     cdef readonly bint readonly
     cdef readonly bint c_contiguous
     cdef readonly Py_ssize_t nbytes     # bytes the elements cover (size * itemsize)
+    cdef size_t _ptr                    # address of element (0, ..., 0)
+    cdef _DtypeInfo _info
+    cdef str _backend_name              # the device's backend: "cpu", "cuda", "sim", "opencl"
+    cdef tuple _dl_device               # (DLPack device type, id), worked out on first use
     cdef bint _counted
 
     def __init__(self, *args, **kwargs):
@@ -123,80 +236,49 @@ cdef class BufferView:
     def _of(buffer, dtype, shape, strides, offset, readonly) -> BufferView:
         """Validate the arguments against ``buffer`` (nothing changes when one is wrong)."""
         cdef BufferView v
-        cdef Py_ssize_t size, itemsize
+        cdef _DtypeInfo info
+        cdef Py_ssize_t size, itemsize, off
+        cdef bint contiguous = True
         if type(buffer) is not Buffer:
             raise TypeError(f"views are made of gpumem Buffers, got {type(buffer).__name__}")
-        size = buffer.nbytes
         if not buffer.alive:
             raise InvalidInputError(f"buffer {buffer.id} has been freed (or its manager "
                                     f"closed)")
-        dt = _parse_dtype(dtype)
-        itemsize = dt.itemsize
-        if isinstance(offset, bool) or not hasattr(offset, "__index__"):
-            raise TypeError(f"offset must be an int, got {type(offset).__name__}")
-        off = operator.index(offset)
-        if not 0 <= off <= size:
+        size = buffer.nbytes
+        info = _dtype_info(dtype)
+        itemsize = info.itemsize
+        if type(offset) is not int:
+            if isinstance(offset, bool) or not hasattr(offset, "__index__"):
+                raise TypeError(f"offset must be an int, got {type(offset).__name__}")
+            offset = operator.index(offset)
+        if not 0 <= offset <= size:
             raise InvalidInputError(f"offset must be in [0, {size}] (the buffer's nbytes), "
-                                    f"got {off}")
-        if off % dt.alignment:
+                                    f"got {offset}")
+        off = offset
+        if off % info.alignment:
             raise InvalidInputError(f"offset {off} is not a multiple of the alignment of "
-                                    f"{dt} ({dt.alignment} bytes)")
+                                    f"{info.dtype} ({info.alignment} bytes)")
         if shape is None:
             if strides is not None:
                 raise InvalidInputError("strides given without shape: give shape too")
             shp = ((size - off) // itemsize,)
+            st = (itemsize,)
+            n_elems = shp[0]
         else:
             shp = _int_tuple(shape, "shape")
-        if len(shp) > MAX_NDIM:
-            raise InvalidInputError(f"shape has {len(shp)} dimensions; at most {MAX_NDIM}")
-        n_elems = 1
-        for d in shp:
-            if d < 0:
-                raise InvalidInputError(f"shape must not be negative, got {shp}")
-            n_elems *= d
-        if n_elems * itemsize >= _SIZE_LIMIT:
-            raise InvalidInputError(f"shape {shp} has {n_elems} elements of {itemsize} bytes: "
-                                    f"more than memory can address")
-        contiguous_strides = []
-        expect = itemsize
-        for d in reversed(shp):
-            contiguous_strides.append(expect)
-            expect *= max(d, 1)
-        contiguous_strides = tuple(reversed(contiguous_strides))
-        if strides is None:
-            st = contiguous_strides
-        else:
-            st = _int_tuple(strides, "strides")
-            if len(st) != len(shp):
-                raise InvalidInputError(f"strides has {len(st)} entries but shape has "
-                                        f"{len(shp)}; give one byte stride per dimension")
-            for s in st:
-                if s % itemsize:
-                    raise InvalidInputError(f"strides {st} must be multiples of the item size "
-                                            f"of {dt} ({itemsize} bytes)")
-        lo = hi = off
-        if n_elems:
-            for d, s in zip(shp, st):
-                if s < 0:
-                    lo += s * (d - 1)
-                else:
-                    hi += s * (d - 1)
-            hi += itemsize
-            if lo < 0 or hi > size:
-                what = "shape" if strides is None else "shape/strides"
-                raise InvalidInputError(
-                    f"{what} {shp}/{st} at offset {off} reach bytes [{lo}, {hi}) but the "
-                    f"buffer holds {size}")
+            st, contiguous, n_elems = _layout(shp, strides, itemsize, off, size)
         v = BufferView.__new__(BufferView)
         v.buffer = buffer
-        v.dtype = dt
+        v._info = info
+        v.dtype = info.dtype
         v.shape = shp
         v.strides = st
         v.offset = off
         v.readonly = bool(readonly)
-        v.c_contiguous = n_elems == 0 or all(
-            d == 1 or s == c for d, s, c in zip(shp, st, contiguous_strides))
+        v.c_contiguous = contiguous or n_elems == 0
         v.nbytes = n_elems * itemsize
+        v._ptr = buffer.ptr + off
+        v._backend_name = buffer.manager.device.backend
         buffer._export_added()
         v._counted = True
         return v
@@ -213,7 +295,7 @@ cdef class BufferView:
     @property
     def ptr(self) -> int:
         """Address of element (0, ..., 0)."""
-        return self.buffer.ptr + self.offset
+        return self._ptr
 
     @property
     def ndim(self) -> int:
@@ -222,7 +304,7 @@ cdef class BufferView:
     @property
     def size(self) -> int:
         """Number of elements."""
-        return self.nbytes // self.dtype.itemsize
+        return self.nbytes // self._info.itemsize
 
     @property
     def device(self) -> str:
@@ -242,14 +324,14 @@ cdef class BufferView:
         if not self.buffer.alive:
             raise InvalidInputError(f"buffer {self.buffer.id} has been freed (its manager "
                                     f"was closed)")
-        return self.buffer.manager.device.backend
+        return self._backend_name
 
     cdef dict _interface(self):
-        d = {"shape": self.shape, "typestr": self.dtype.str,
-             "data": (self.ptr, bool(self.readonly)),
+        d = {"shape": self.shape, "typestr": self._info.typestr,
+             "data": (self._ptr, bool(self.readonly)),
              "strides": None if self.c_contiguous else self.strides, "version": 3}
-        if self.dtype.names is not None:
-            d["descr"] = self.dtype.descr
+        if self._info.descr is not None:
+            d["descr"] = self._info.descr
         return d
 
     # --- numpy -----------------------------------------------------------------------------------
@@ -278,7 +360,7 @@ cdef class BufferView:
         b.strides[0] = 1
         return b
 
-    # --- CUDA array interface ----------------------------------------------------------------------
+    # --- CUDA array interface ---------------------------------------------------------------------
     @property
     def __cuda_array_interface__(self) -> dict:
         if self._backend() != "cuda":
@@ -291,10 +373,16 @@ cdef class BufferView:
         d["stream"] = 1 if s == 0 else s
         return d
 
-    # --- DLPack ------------------------------------------------------------------------------------
+    # --- DLPack -----------------------------------------------------------------------------------
     def __dlpack_device__(self) -> tuple:
         self._backend()
-        return dlpack_device(self.buffer)
+        return self._device()
+
+    cdef tuple _device(self):
+        # A segment's memory kind never changes: ask the backend once per view.
+        if self._dl_device is None:
+            self._dl_device = dlpack_device(self.buffer)
+        return self._dl_device
 
     def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
         """A DLPack capsule of this view (array-API ``__dlpack__``).
@@ -308,8 +396,9 @@ cdef class BufferView:
         one. ``dl_device`` other than this memory's: BufferError (pinned memory may also be
         taken as kDLCPU). ``copy=True``: BufferError (views are zero-copy; copy in the
         consumer)."""
+        cdef Py_ssize_t itemsize = self._info.itemsize
         backend = self._backend()
-        device = dlpack_device(self.buffer)
+        device = self._device()
         if copy is not None and not isinstance(copy, bool):
             raise TypeError(f"copy must be None or a bool, got {type(copy).__name__}")
         if copy:
@@ -327,19 +416,16 @@ cdef class BufferView:
             raise BufferError("a read-only view can be exported only as a versioned DLPack "
                               "capsule (max_version >= (1, 0)); the legacy capsule cannot say "
                               "read-only")
-        kind = self.dtype.kind
-        if (kind not in _DL_CODES or self.dtype.itemsize > _DL_MAX_ITEMSIZE.get(kind, 8)
-                or not self.dtype.isnative or self.dtype.names is not None):
+        if self._info.dl_code < 0:
             raise BufferError(f"dtype {self.dtype} has no DLPack equivalent (DLPack holds "
                               f"native bool, int, uint, float and complex up to 64+64 bits)")
         if backend == "cuda":
             self._order_for_consumer(stream)
         elif stream is not None and stream != -1 and device[0] == DLDeviceType.kDLCPU:
             raise BufferError(f"stream must be None for host memory, got {stream!r}")
-        itemsize = self.dtype.itemsize
-        return make_capsule(self, self.ptr, device[0], device[1], self.shape,
-                            tuple(s // itemsize for s in self.strides), _DL_CODES[kind],
-                            8 * itemsize, self.readonly, versioned)
+        elem_strides = tuple([s // itemsize for s in self.strides])   # DLPack counts elements
+        return make_capsule(self, self._ptr, device[0], device[1], self.shape, elem_strides,
+                            self._info.dl_code, 8 * itemsize, self.readonly, versioned)
 
     cdef _order_for_consumer(self, stream):
         buf = self.buffer
@@ -378,7 +464,7 @@ cdef class _ViewBytes:
         if v.readonly and (flags & PyBUF_WRITABLE) == PyBUF_WRITABLE:
             raise BufferError("this view is read-only")
         v._backend()                         # raises once the manager is closed
-        info.buf = <void*><size_t>v.ptr
+        info.buf = <void*>v._ptr
         info.obj = self
         info.len = v.nbytes
         info.readonly = v.readonly
