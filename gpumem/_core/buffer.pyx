@@ -56,7 +56,8 @@ cdef class Buffer:
     cdef gm_block* _block
     cdef ManagerCore _owner
     cdef list _used_on                   # other streams that use the bytes (record_stream)
-    cdef Py_ssize_t _exports             # live BufferViews: free() is refused while > 0
+    cdef Py_ssize_t _exports             # live BufferViews: free() is refused while > 0;
+                                         # changed only under the GIL (view.pyx)
     cdef object __weakref__
 
     def __init__(self, *args, **kwargs):

@@ -16,8 +16,10 @@ garbage. Every consumer keeps the view it was given alive (numpy's ``base``, a D
 array made from a view exists, as ``bytearray`` refuses to resize under a memoryview; a Buffer
 that is only dropped goes back to the pool when its last view dies.
 
-Thread safety: a view is immutable once built. ``Buffer.exports`` is changed only while holding
-the GIL (view creation and deallocation), so it needs no other lock.
+Thread safety: a view is immutable once built (its DLPack device is worked out once, an
+idempotent write). ``Buffer.exports`` is changed only while holding the GIL (view creation and
+deallocation, the DLPack deleter takes the GIL first), so it needs no other lock; the same holds
+for the module's dtype cache (a dict; two threads at worst build one entry twice).
 """
 cimport cython
 from cpython.buffer cimport PyBUF_WRITABLE, PyBUF_FORMAT, PyBUF_ND, PyBUF_STRIDES
