@@ -206,7 +206,8 @@ cdef class Buffer:
         self._exports += 1
 
     def _export_dropped(self) -> None:
-        self._exports -= 1
+        if self._exports > 0:
+            self._exports -= 1
 
     @property
     def __cuda_array_interface__(self) -> dict:
@@ -319,9 +320,10 @@ cdef class ManagerCore:
         self._closed = True
 
     def malloc(self, nbytes, *, stream=None, tag=None):
-        """A Buffer of at least nbytes on this manager's device (stream: int or an object with
-        a `handle`), or a FallbackBuffer in host memory when the device is exhausted and CPU
-        fallback is on. Raises OutOfMemoryError when neither can serve."""
+        """A Buffer of at least nbytes on this manager's device (stream: an int handle or any
+        framework's stream object, see `_stream_handle`), or a FallbackBuffer in host memory
+        when the device is exhausted and CPU fallback is on. Raises OutOfMemoryError when
+        neither can serve."""
         cdef long long n
         cdef uint64_t s
         if type(nbytes) is int and 0 <= nbytes < _SIZE_TOO_BIG:
