@@ -12,9 +12,9 @@ from gpumem._core.pool import CachingPool
 from gpumem.backends import default_device, devices
 from gpumem.buffer_protocol import AnyBuffer
 from gpumem.config import MemoryConfig
-from gpumem.errors import (BackendUnavailableError, ClosedManagerError, CpuFallbackWarning,
-                           DoubleFreeError, DriverError, DriverOutOfMemory, ForeignBufferError,
-                           GpuMemoryError, GpumemWarning, InvalidDeviceError,
+from gpumem.errors import (BackendUnavailableError, BufferInUseError, ClosedManagerError,
+                           CpuFallbackWarning, DoubleFreeError, DriverError, DriverOutOfMemory,
+                           ForeignBufferError, GpuMemoryError, GpumemWarning, InvalidDeviceError,
                            InvalidInputError, OutOfMemoryError, TraceFormatError,
                            UnknownSettingWarning, UnsupportedOperationError)
 from gpumem.batch import BufferBatch, allocate_batch, warmup
@@ -43,7 +43,8 @@ __all__ = [
     "estimate_inference_memory", "estimate_model", "MemoryEstimate", "MODEL_PRESETS",
     "select_backend_for_model", "devices", "default_device", "format_bytes", "parse_size",
     "GpuMemoryError", "OutOfMemoryError", "InvalidInputError", "InvalidDeviceError",
-    "DoubleFreeError", "ForeignBufferError", "ClosedManagerError", "BackendUnavailableError",
+    "DoubleFreeError", "ForeignBufferError", "BufferInUseError", "ClosedManagerError",
+    "BackendUnavailableError",
     "DriverError", "DriverOutOfMemory", "TraceFormatError", "UnsupportedOperationError",
     "GpumemWarning", "CpuFallbackWarning", "UnknownSettingWarning",
 ]

@@ -8,6 +8,7 @@ __all__ = [
     "InvalidDeviceError",
     "DoubleFreeError",
     "ForeignBufferError",
+    "BufferInUseError",
     "ClosedManagerError",
     "BackendUnavailableError",
     "DriverError",
@@ -70,6 +71,13 @@ class DoubleFreeError(InvalidInputError):
 
 class ForeignBufferError(InvalidInputError):
     """A buffer was handed to a manager that did not allocate it (or that has been closed)."""
+
+
+class BufferInUseError(InvalidInputError):
+    """A buffer was freed while views of it (``Buffer.view()``, arrays made from its
+    ``__array_interface__`` or ``__cuda_array_interface__`` through a view, DLPack capsules) are
+    still alive; ``Buffer.exports`` counts them. Drop them first, or drop the buffer instead of
+    freeing it: its block then goes back to the pool when the last view dies."""
 
 
 class ClosedManagerError(InvalidInputError):

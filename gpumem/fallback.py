@@ -8,10 +8,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from gpumem.buffer_protocol import AnyBuffer
-from gpumem.errors import ClosedManagerError, DoubleFreeError, InvalidInputError
+from gpumem.errors import BufferInUseError, ClosedManagerError, DoubleFreeError, InvalidInputError
 
 if TYPE_CHECKING:
     from gpumem._core.buffer import Buffer
+    from gpumem._core.view import BufferView
     from gpumem.manager import MemoryManager
 
 __all__ = ["FallbackBuffer"]
@@ -72,9 +73,34 @@ class FallbackBuffer(AnyBuffer):
     def alive(self) -> bool:
         return self._host.alive
 
+    # --- zero-copy views: those of the host Buffer (kDLCPU, or kDLCUDAHost when pinned) ------
+    def view(self, dtype: Any = "uint8", shape: Any = None, strides: Any = None,
+             offset: int = 0, *, readonly: bool = False) -> "BufferView":
+        """A typed zero-copy view of the host memory (see ``Buffer.view``)."""
+        return self._host.view(dtype, shape, strides, offset, readonly=readonly)
+
+    @property
+    def exports(self) -> int:
+        """Live views of the host memory; ``free()`` is refused while > 0."""
+        return self._host.exports
+
     @property
     def __array_interface__(self) -> dict:
         return self._host.__array_interface__
+
+    def __dlpack__(self, *, stream: Any = None, max_version: Any = None, dl_device: Any = None,
+                   copy: Any = None) -> Any:
+        return self._host.__dlpack__(stream=stream, max_version=max_version,
+                                     dl_device=dl_device, copy=copy)
+
+    def __dlpack_device__(self) -> tuple:
+        return self._host.__dlpack_device__()
+
+    def _check_no_views(self, what: str) -> None:
+        if self._host.exports:
+            raise BufferInUseError(f"cannot {what} fallback buffer {self.id}: "
+                                   f"{self._host.exports} view(s) of it are alive; drop them "
+                                   f"first")
 
     def copy_from_host(self, src: Any) -> None:
         self._check_usable()
@@ -100,6 +126,7 @@ class FallbackBuffer(AnyBuffer):
         self._check_usable()
         if not self._host.alive:
             raise DoubleFreeError(f"fallback buffer {self.id} was already freed")
+        self._check_no_views("free")
         self._manager._fallback_released(self)
         self._host.free()
 
@@ -110,6 +137,7 @@ class FallbackBuffer(AnyBuffer):
         """
         if not self._host.alive:
             raise InvalidInputError(f"cannot migrate fallback buffer {self.id}: it was freed")
+        self._check_no_views("migrate")
         dev = self._manager._malloc_device_only(self.nbytes, self.stream, self.tag)
         try:
             dev.copy_from_host(self._host.copy_to_host())

@@ -126,3 +126,83 @@ def test_manager_left_open_at_exit_is_quiet(fake_lib_dir):
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "allocated True"
     assert "Warning" not in out.stderr and "Error" not in out.stderr, out.stderr
+
+
+# --- DLPack and the CUDA array interface on the cuda backend (fake driver) -------------------
+def test_cuda_dlpack_capsule_fields(fake):
+    """The capsule of a cuda view, read through ctypes with dlpack.h's layout
+    (tests/dlpack_structs.py): kDLCUDA, the device pointer, shape, strides in elements."""
+    import dlpack_structs as dl
+    mm = MemoryManager("cuda:0", MemoryConfig(cpu_fallback_enabled=False))
+    try:
+        buf = mm.malloc(4 * MiB)
+        v = buf.view("float64", (64, 32), (8, 512), offset=4096)
+        assert v.__dlpack_device__() == (2, 0) and buf.__dlpack_device__() == (2, 0)
+        for max_version, name in ((None, "dltensor"), ((1, 0), "dltensor_versioned")):
+            cap = v.__dlpack__(stream=-1, max_version=max_version)
+            assert dl.capsule_name(cap) == name
+            s = dl.summary(cap)
+            assert s["data"] == buf.ptr + 4096 and s["device"] == (2, 0)
+            assert (s["shape"], s["strides"], s["dtype"]) == ((64, 32), (1, 64), (2, 64, 1))
+            if max_version:
+                assert s["version"] == (1, 0) and s["flags"] == 0
+            dl.consume(cap)
+        cap = buf.__dlpack__(stream=-1, max_version=(1, 0))   # never consumed
+        assert dl.summary(cap)["shape"] == (4 * MiB,) and buf.exports == 2
+        del cap, v
+        assert buf.exports == 0
+        with pytest.raises(BufferError, match="dl_device"):
+            buf.__dlpack__(stream=-1, dl_device=(1, 0))
+        with pytest.raises(BufferError, match="stream=0 is ambiguous"):
+            buf.__dlpack__(stream=0)
+        buf.free()
+    finally:
+        mm.close()
+
+
+def test_cuda_dlpack_orders_the_consumer_stream_after_the_producer(fake):
+    """__dlpack__(stream=consumer): an event on the buffer's stream and cuStreamWaitEvent on the
+    consumer's, so the consumer's later work waits for the producer's pending work (the fake
+    makes a stream that waits on a busy stream's event busy too); stream=-1 asks for nothing.
+    The event is destroyed at once, and the consumer stream is recorded on the buffer."""
+    import dlpack_structs as dl
+    mm = MemoryManager("cuda:0", MemoryConfig(cpu_fallback_enabled=False))
+    try:
+        producer, consumer = mm.device.create_stream(), mm.device.create_stream()
+        buf = mm.malloc(MiB, stream=producer)
+        events = fake.fake_cuda_live_events()
+        fake.fake_cuda_set_stream_busy(ctypes.c_void_p(producer), 1000)
+        dl.consume(buf.__dlpack__(stream=-1))
+        assert mm.device.stream_idle(consumer) and buf.used_on_streams == ()
+        dl.consume(buf.__dlpack__(stream=consumer))
+        assert not mm.device.stream_idle(consumer)          # waits for the producer's work
+        assert fake.fake_cuda_live_events() == events
+        assert buf.used_on_streams == (consumer,)
+        mm.device.synchronize()
+        assert buf.__cuda_array_interface__["stream"] == producer
+        buf.free()
+        mm.collect_pending_frees(wait=True)
+        for s in (producer, consumer):
+            mm.device.destroy_stream(s)
+    finally:
+        mm.close()
+
+
+def test_pinned_host_buffers_are_kdlcudahost(fake):
+    """With CUDA present the cpu backend pins its segments: DLPack says kDLCUDAHost, numpy
+    still takes the memory (and a consumer may ask for it as kDLCPU)."""
+    import numpy as np
+    mm = MemoryManager("cpu", MemoryConfig(cpu_fallback_enabled=False))
+    try:
+        assert mm.device.properties().extra["pinned"]
+        buf = mm.malloc(4096)
+        assert buf.__dlpack_device__() == (3, 0)
+        a = np.from_dlpack(buf.view("int32"))
+        a[:] = 5
+        assert np.all(buf.copy_to_host().view(np.int32) == 5)
+        b = np.from_dlpack(buf, device="cpu")
+        assert b.ctypes.data == buf.ptr
+        del a, b
+        buf.free()
+    finally:
+        mm.close()

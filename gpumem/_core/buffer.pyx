@@ -25,8 +25,9 @@ import operator
 import threading
 import warnings
 
-from gpumem.errors import (ClosedManagerError, DoubleFreeError, ForeignBufferError,
-                           InvalidInputError)
+from gpumem._core.stream_handles import foreign_stream_handle
+from gpumem.errors import (BufferInUseError, ClosedManagerError, DoubleFreeError,
+                           ForeignBufferError, InvalidInputError)
 
 cdef long long _SIZE_TOO_BIG = 1LL << 62
 _STREAM_LIMIT = 1 << 64
@@ -65,6 +66,8 @@ cdef class Buffer:
     cdef gm_block* _block
     cdef ManagerCore _owner
     cdef list _used_on                   # other streams that use the bytes (record_stream)
+    cdef Py_ssize_t _exports             # live BufferViews: free() is refused while > 0;
+                                         # changed only under the GIL (view.pyx)
     cdef object __weakref__
 
     def __init__(self, *args, **kwargs):
@@ -232,22 +235,72 @@ cdef class Buffer:
         handle, offset = self.segment_location()
         self._owner.device.memset(handle, offset, value, self.nbytes, self._stream)
 
+    # --- zero-copy views and the array protocols (gpumem/_core/view.pyx) ----------------------
+    def view(self, dtype="uint8", shape=None, strides=None, offset=0, *, readonly=False):
+        """A typed zero-copy view: ``shape`` elements of ``dtype`` (numpy dtype rules) starting
+        ``offset`` bytes in, with byte ``strides`` (None: C order; shape None: 1-D over the rest
+        of the buffer). It offers ``__array_interface__`` (host memory),
+        ``__cuda_array_interface__`` (cuda) and ``__dlpack__``. While it (or an array made from
+        it) lives, ``free()`` raises BufferInUseError. InvalidInputError names the argument that
+        does not fit the buffer."""
+        return _view_class()._of(self, dtype, shape, strides, offset, readonly)
+
+    @property
+    def exports(self) -> int:
+        """Live views of this buffer (see ``view()``); ``free()`` is refused while > 0."""
+        return self._exports
+
+    def _export_added(self) -> None:
+        self._exports += 1
+
+    def _export_dropped(self) -> None:
+        if self._exports > 0:
+            self._exports -= 1
+
     @property
     def __cuda_array_interface__(self) -> dict:
+        """The whole buffer as 1-D uint8 (CUDA array interface v3, with the stream). The
+        consumer holds this Buffer, not a view: pass ``view()`` to have free() refused while
+        the consumer's array lives."""
         if self._owner.device.backend != "cuda":
             raise AttributeError("__cuda_array_interface__ is only offered by CUDA buffers")
-        self.segment_location()
-        return {"shape": (self.nbytes,), "typestr": "|u1", "data": (self._ptr, False),
-                "strides": None, "version": 3,
-                "stream": self._stream if self._stream else None}
+        return self.view().__cuda_array_interface__
 
     @property
     def __array_interface__(self) -> dict:
+        """The whole buffer as 1-D uint8 for numpy (host memory only). Its ``data`` is the
+        bytes of a view (buffer protocol) rather than an address, so numpy keeps that view
+        alive with the array and free() is refused while the array lives."""
         if self._owner.device.backend != "cpu":
             raise AttributeError("__array_interface__ is only offered by host (cpu) buffers")
-        self.segment_location()
-        return {"shape": (self.nbytes,), "typestr": "|u1", "data": (self._ptr, False),
-                "strides": None, "version": 3}
+        v = self.view()
+        d = v.__array_interface__
+        d["data"] = v._flat_bytes()
+        return d
+
+    def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
+        """DLPack export of the whole buffer as 1-D uint8 (see ``BufferView.__dlpack__``)."""
+        return self.view().__dlpack__(stream=stream, max_version=max_version,
+                                      dl_device=dl_device, copy=copy)
+
+    def __dlpack_device__(self) -> tuple:
+        if not self.alive:
+            raise InvalidInputError(f"buffer {self.id} has been freed")
+        return _view_module().dlpack_device(self)
+
+
+cdef object _VIEW_MODULE = None
+
+cdef object _view_module():
+    """gpumem._core.view, imported on first use (it imports numpy)."""
+    global _VIEW_MODULE
+    if _VIEW_MODULE is None:
+        from gpumem._core import view
+        _VIEW_MODULE = view
+    return _VIEW_MODULE
+
+cdef object _view_class():
+    return _view_module().BufferView
 
 
 @cython.final
@@ -340,8 +393,8 @@ cdef class ManagerCore:
         return <size_t>&self._closed, <size_t>&self._hooks
 
     def malloc(self, nbytes, *, stream=None, tag=None, fallback=True):
-        """A Buffer of at least nbytes on this manager's device (stream: int or an object with
-        a `handle`), or a FallbackBuffer in host memory when the device is exhausted and CPU
+        """A Buffer of at least nbytes on this manager's device (stream: an int handle or any
+        framework's stream object, see `_stream_handle`), or a FallbackBuffer in host memory when the device is exhausted and CPU
         fallback is on (the config's ``cpu_fallback_enabled``, and `fallback` for this call).
         Raises OutOfMemoryError when neither can serve."""
         cdef long long n
@@ -409,6 +462,11 @@ cdef class ManagerCore:
                                      f"{self.device_string} is closed")
         if buf._block == NULL:
             raise DoubleFreeError(f"buffer {buf.id} ({buf.nbytes} B) was already freed")
+        if buf._exports:
+            raise BufferInUseError(
+                f"buffer {buf.id} cannot be freed: {buf._exports} view(s) of it are alive "
+                f"(Buffer.view(), numpy arrays or DLPack capsules made from it); drop them "
+                f"first, or drop the buffer: it goes back to the pool with its last view")
         if buf._used_on is not None:
             self._defer_free(buf._block, buf.id, buf._used_on)
             buf._block = NULL
@@ -563,17 +621,16 @@ cdef class ManagerCore:
         self._collecting = False
 
     def _stream_handle(self, stream) -> int:
-        """The integer handle of a stream argument; registers new streams after validation."""
+        """The integer handle of a stream argument: an int, or a stream object of any framework
+        (``foreign_stream_handle``). Values outside [0, 2**64) raise InvalidInputError."""
         if type(stream) is int and 0 <= stream < _STREAM_LIMIT:
             return stream
         if isinstance(stream, bool):
             raise TypeError("stream must be an int handle or a stream object, not a bool")
-        handle = getattr(stream, "handle", stream)
-        try:
-            handle = operator.index(handle)
-        except TypeError:
-            raise TypeError(f"stream must be None, an int handle or an object with an int "
-                            f"`handle`, got {type(stream).__name__}") from None
+        if hasattr(stream, "__index__"):
+            handle = operator.index(stream)
+        else:
+            handle = foreign_stream_handle(stream)
         if not 0 <= handle < _STREAM_LIMIT:
             raise InvalidInputError(f"stream handle must be in [0, 2**64), got {handle}")
         return handle

@@ -194,6 +194,12 @@ class Device(abc.ABC):
     def destroy_event(self, event: int) -> None:
         """Release an event from :meth:`record_event` (it may still be pending)."""
 
+    def wait_event(self, stream: int, event: int) -> None:
+        """Make work submitted to ``stream`` after this call wait for ``event``, without
+        blocking the host where the driver can (DLPack hands a buffer to another stream)."""
+        self.stream_idle(stream)          # validates the stream
+        self.synchronize()                # the coarse default: everything before is done
+
     # --- virtual memory (optional; see the module docstring for the rules) -------------------
     @property
     def supports_virtual_memory(self) -> bool:

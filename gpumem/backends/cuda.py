@@ -543,6 +543,15 @@ class CudaDevice(CudaVirtualMemory, Device):
             raise InvalidInputError(f"{self.device_string}: unknown event {event!r}")
         self._call("cuEventDestroy", self._drv.cuEventDestroy, ev)
 
+    def wait_event(self, stream: int, event: int) -> None:
+        """``cuStreamWaitEvent``: later work on ``stream`` waits for ``event``; no host wait."""
+        with self._lock:
+            ev = self._events.get(event)
+        if ev is None:
+            raise InvalidInputError(f"{self.device_string}: unknown event {event!r}")
+        self._call("cuStreamWaitEvent", self._drv.cuStreamWaitEvent, self._stream_obj(stream),
+                   ev, 0)
+
     def native_stream(self, stream: int) -> int:
         """The ``CUstream`` value for ``stream`` (the same int: streams are driver handles)."""
         return int(self._stream_obj(stream))

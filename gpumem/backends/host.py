@@ -325,6 +325,14 @@ class HostDevice(Device):
         with self._lock:
             return self._segments[handle].nbytes
 
+    def segment_pinned(self, handle: int) -> bool:
+        """True when the segment is page-locked (cuMemHostAlloc): DLPack calls it kDLCUDAHost."""
+        with self._lock:
+            seg = self._segments.get(handle)
+        if seg is None:
+            raise InvalidInputError(f"cpu: unknown segment handle {handle!r}")
+        return seg.pinned
+
     # --- data movement ---------------------------------------------------------------------------
     def copy_from_host(self, handle: int, offset: int, src: memoryview, stream: int = 0) -> None:
         mv = byte_view(src)
