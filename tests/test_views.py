@@ -167,14 +167,20 @@ def test_arrays_from_the_buffers_own_interface_count_too(host):
     buf.free()
 
 
-def test_leaving_a_with_block_with_a_live_view_is_refused(host):
-    v = None
-    with pytest.raises(BufferInUseError):
-        with host.malloc(64) as buf:
-            v = buf.view()
-    assert buf.alive
-    del v
-    buf.free()
+def test_leaving_a_with_block_with_a_live_view_frees_after_the_last_view(host):
+    """`with mm.malloc(n) as buf: a = np.asarray(buf)` must not fail at the end of the block:
+    the block goes back to the pool when the last array made from it dies, never under it."""
+    in_use = host.pool.in_use_bytes
+    with host.malloc(64) as buf:
+        a = np.asarray(buf.view("uint8"))
+        a[:] = 7
+    assert buf.alive and host.pool.in_use_bytes > in_use     # still owned by `a`
+    assert bytes(buf.copy_to_host()[:4]) == b"\x07" * 4
+    del a
+    gc.collect()
+    assert not buf.alive and host.pool.in_use_bytes == in_use
+    with pytest.raises(gpumem.DoubleFreeError):
+        buf.free()
 
 
 def test_a_dropped_buffer_goes_back_with_its_last_view(host):

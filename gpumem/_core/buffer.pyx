@@ -66,6 +66,7 @@ cdef class Buffer:
     cdef gm_block* _block
     cdef ManagerCore _owner
     cdef list _used_on                   # other streams that use the bytes (record_stream)
+    cdef bint _free_after_exports        # a `with` block ended while views lived
     cdef Py_ssize_t _exports             # live BufferViews: free() is refused while > 0;
                                          # changed only under the GIL (view.pyx)
     cdef object __weakref__
@@ -152,7 +153,12 @@ cdef class Buffer:
 
     def __exit__(self, *exc):
         if self._block != NULL and not self._owner._closed:
-            self._owner._release(self)
+            if self._exports:
+                # arrays made from views still use the bytes: the block goes back to the
+                # pool when the last of them dies, not under them (and without an error here)
+                self._free_after_exports = True
+            else:
+                self._owner._release(self)
         return False
 
     def __dealloc__(self):
@@ -256,6 +262,10 @@ cdef class Buffer:
     def _export_dropped(self) -> None:
         if self._exports > 0:
             self._exports -= 1
+            if (self._exports == 0 and self._free_after_exports and self._block != NULL
+                    and not self._owner._closed):
+                self._free_after_exports = False
+                self._owner._release(self)      # the `with` block ended while views lived
 
     @property
     def __cuda_array_interface__(self) -> dict:
