@@ -35,7 +35,8 @@ log = logging.getLogger("gpumem")
 #: frames are the useful ones)
 _PKG_DIR = os.path.dirname(os.path.abspath(__file__))
 _INTERNAL_FILES = frozenset(os.path.join(_PKG_DIR, f) for f in (
-    "manager.py", "tracking.py", "history.py", "fallback.py", "batch.py", "multi.py",
+    "manager.py", "miss_path.py", "stream_book.py", "expandable.py", "tracking.py", "history.py",
+    "fallback.py", "batch.py", "multi.py",
     "pressure.py", "replay.py"))
 MAX_STACK_DEPTH = 16
 #: at most this many buffers are listed one by one in a leak report
