@@ -1,7 +1,7 @@
 """gpumem: a caching GPU memory allocator with a Cython core.
 
 >>> import gpumem
->>> mm = gpumem.MemoryManager("sim:0")
+>>> mm = gpumem.MemoryManager("sim:0")     # or gpumem.get_manager(): the default device's shared one
 >>> buf = mm.malloc(1 << 20)
 >>> buf.free()
 """
@@ -23,6 +23,7 @@ from gpumem.manager import MemoryManager
 from gpumem.multi import MultiDeviceManager
 from gpumem.pressure import MemoryPressure
 from gpumem.selection import select_backend_for_model
+from gpumem.shared import configure, get_manager
 from gpumem.stats import MemoryStats
 from gpumem.units import format_bytes, parse_size
 
@@ -33,6 +34,7 @@ __version__ = "0.1.0"
 _logging.getLogger("gpumem").addHandler(_logging.NullHandler())
 
 __all__ = [
+    "get_manager", "configure",
     "Buffer", "CachingPool", "MemoryManager", "MemoryConfig", "MemoryStats", "MemoryPressure",
     "FallbackBuffer", "BufferBatch", "MultiDeviceManager", "allocate_batch", "warmup",
     "estimate_inference_memory", "estimate_model", "MemoryEstimate", "MODEL_PRESETS",

@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 from gpumem._core.buffer import Buffer, ManagerCore
 from gpumem._core.pool import CachingPool
-from gpumem.backends import Device, open_device
+from gpumem import peers
+from gpumem.backends import Device, default_device, open_device
 from gpumem.config import MemoryConfig
 from gpumem.errors import (ClosedManagerError, DriverError, DriverOutOfMemory,
                            ForeignBufferError, InvalidInputError, OutOfMemoryError)
@@ -59,7 +60,13 @@ class MemoryManager(ManagerCore):
     1048576
     """
 
-    def __init__(self, device: str | Device = "sim:0", config: MemoryConfig | None = None) -> None:
+    def __init__(self, device: str | Device | None = None,
+                 config: MemoryConfig | None = None) -> None:
+        """``device``: a device string (``"cuda:0"``, ``"opencl:0"``, ``"cpu"``, ``"sim:0"``,
+        ``"sim:80GiB"``) or an opened Device; None: ``gpumem.backends.default_device()`` (a
+        real accelerator, never an uninstalled simulated device)."""
+        if device is None:
+            device = default_device()
         if config is None:
             config = MemoryConfig.from_env()
         elif not isinstance(config, MemoryConfig):
@@ -104,6 +111,7 @@ class MemoryManager(ManagerCore):
             from gpumem.tracking import AllocationTracker
             self.tracker = AllocationTracker(self, capture_stacks=config.track_stacks)
             self.add_observer(self.tracker)
+        peers.register(self)
 
     # --- properties -----------------------------------------------------------------------
     @property
@@ -169,7 +177,8 @@ class MemoryManager(ManagerCore):
 
     def _malloc_device(self, nbytes: int, stream: int, tag: Any) -> Buffer | None:
         """Ladder: cache -> idle streams' cache -> new segment -> release cache and retry ->
-        OOM callbacks and retry. None when all fail."""
+        other managers on this device release their caches, retry -> OOM callbacks and retry.
+        None when all fail."""
         with self._slow:
             if self._closed:
                 raise ClosedManagerError(f"the manager for {self.device_string} is closed")
@@ -185,6 +194,8 @@ class MemoryManager(ManagerCore):
                 # blocks freed after use on other streams: wait for those streams, then retry
                 buf = self._alloc_cached(nbytes, stream, tag) or self._grow(nbytes, stream, tag)
             if buf is None and self._release_cached(reason="retry after a failed growth"):
+                buf = self._grow(nbytes, stream, tag)
+            if buf is None and peers.release_peer_caches(self):
                 buf = self._grow(nbytes, stream, tag)
             if buf is None and self._oom_callbacks:
                 for callback in list(self._oom_callbacks):

@@ -57,7 +57,8 @@ def _available_devices() -> list[str]:
 class MultiDeviceManager(PlacementCore):
     """A MemoryManager per device with one placement entry point.
 
-    ``devices``: ``None`` (every available cuda, opencl and sim device, no cpu), or a list of
+    ``devices``: ``None`` (every available cuda and opencl device, and the *installed* sim
+    devices: a simulated device is never used unless asked for; no cpu), or a list of
     device strings (a manager is created for each, with ``config``) and/or MemoryManagers (used
     as they are). Managers it created are closed by :meth:`close`; managers passed in belong to
     the caller and are left open.

@@ -15,7 +15,6 @@ Every allocation goes through :meth:`gpumem.MemoryManager.malloc` and every free
 from __future__ import annotations
 
 import logging
-import re
 import sys
 import threading
 import time
@@ -29,7 +28,7 @@ from gpumem.backends import Device
 from gpumem.config import MemoryConfig
 from gpumem.errors import InvalidInputError, OutOfMemoryError
 from gpumem.trace import OP_ALLOC, Phase, TraceData, read_trace
-from gpumem.units import format_bytes, parse_size
+from gpumem.units import format_bytes
 
 __all__ = ["replay", "ReplayResult", "replay_config", "open_replay_device", "CONFIG_PRESETS"]
 
@@ -40,8 +39,6 @@ ProgressArg = Union[None, bool, Callable[[int, int], Any]]
 #: named configurations for the CLI's ``--config``; replays never fall back to the CPU and
 #: keep no free-memory margin (a replay measures the pool, not the machine)
 CONFIG_PRESETS = ("default", "inference", "constrained")
-
-_SIM_SIZE = re.compile(r"^\s*sim\s*:\s*([0-9.]+\s*[a-zA-Z]+)\s*$", re.IGNORECASE)
 
 
 def replay_config(name: str | MemoryConfig | None = None) -> MemoryConfig:
@@ -64,32 +61,15 @@ def replay_config(name: str | MemoryConfig | None = None) -> MemoryConfig:
 
 
 def open_replay_device(device: str | Device) -> Device:
-    """``"sim:<size>"`` -> a new private SimDevice; another string -> that device."""
+    """``"sim:<size>"`` -> a new private SimDevice; another string -> that device (both as
+    :func:`gpumem.backends.open_device` reads every device string)."""
     if isinstance(device, Device):
         return device
     if not isinstance(device, str):
         raise InvalidInputError(f"device must be a string such as 'sim:80GiB' or 'cuda:0', or a "
                                 f"Device, got {type(device).__name__} {device!r}")
-    m = _SIM_SIZE.match(device)
-    if m:
-        capacity = parse_size(m.group(1).replace(" ", ""), what=f"device {device!r} capacity")
-        return _private_sim(capacity)
     from gpumem.backends import open_device
     return open_device(device)
-
-
-def _private_sim(capacity: int) -> Device:
-    from gpumem_sim import SimDevice
-
-    class ReplaySimDevice(SimDevice):
-        """A SimDevice outside the registry, named by its size in messages."""
-
-        @property
-        def device_string(self) -> str:
-            return f"sim({format_bytes(self.capacity)})" if self.index < 0 else \
-                super().device_string
-
-    return ReplaySimDevice(capacity, name=f"replay sim {format_bytes(capacity)}")
 
 
 def _device_label(dev: Device) -> str:

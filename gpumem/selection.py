@@ -15,7 +15,7 @@ import operator
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from gpumem.backends import Device, get_backend, open_device
+from gpumem.backends import Device, get_backend, holds_host_memory, open_device
 from gpumem.config import MemoryConfig
 from gpumem.errors import InvalidDeviceError, InvalidInputError, OutOfMemoryError
 from gpumem.estimate import MemoryEstimate
@@ -33,7 +33,8 @@ class DeviceRoom:
     ``usable = min(total * gpu_memory_fraction, total - reserve)`` as in MemoryManager, and
     ``room = min(usable, free - min_free_bytes)`` (never below 0): the manager never holds more
     than ``usable`` and never asks the driver for memory that would leave less than
-    ``min_free_bytes`` free.
+    ``min_free_bytes`` free. ``host_memory``: the device's memory is the host's (``cpu``, a
+    CPU-type OpenCL device such as PoCL).
     """
 
     device: str
@@ -43,9 +44,11 @@ class DeviceRoom:
     total: int
     usable: int
     room: int
+    host_memory: bool = False
 
     def describe(self) -> str:
-        return (f"{self.device}: free {format_bytes(self.free)} of {format_bytes(self.total)}, "
+        return (f"{self.device}{' (host memory)' if self.host_memory else ''}: free "
+                f"{format_bytes(self.free)} of {format_bytes(self.total)}, "
                 f"usable {format_bytes(self.usable)}, room {format_bytes(self.room)}")
 
 
@@ -78,7 +81,8 @@ def _room(dev: Device, cfg: MemoryConfig) -> DeviceRoom:
     usable = max(0, min(int(total * cfg.gpu_memory_fraction), total - reserve))
     room = max(0, min(usable, free - cfg.min_free_bytes))
     return DeviceRoom(device=dev.device_string, backend=dev.backend, index=dev.index,
-                      free=free, total=total, usable=usable, room=room)
+                      free=free, total=total, usable=usable, room=room,
+                      host_memory=holds_host_memory(dev))
 
 
 def _requested(total_bytes: Any) -> int:
@@ -141,11 +145,16 @@ def select_backend_for_model(total_bytes: int | MemoryEstimate, *,
     """``(backend, index)`` of the device with the most room that can hold ``total_bytes``.
 
     ``total_bytes``: an int, or a :class:`gpumem.estimate.MemoryEstimate` (its ``total_bytes``).
-    ``devices``: device strings or Devices to consider; None means every available cuda,
-    opencl and sim device (the CPU is considered only when listed). A device's room is what
-    a fresh MemoryManager with ``config`` could hold there (see :class:`DeviceRoom`): within
-    usable memory, and leaving ``min_free_bytes`` free by the driver's ``mem_get_info``.
-    Ties go to the earlier device (cuda before opencl before sim).
+    ``devices``: device strings or Devices to consider; None means every available cuda and
+    opencl device and the *installed* sim devices (a simulated device is never chosen unless
+    asked for; the CPU is considered only when listed). A device's room is what a fresh
+    MemoryManager with ``config`` could hold there (see :class:`DeviceRoom`): within usable
+    memory, and leaving ``min_free_bytes`` free by the driver's ``mem_get_info``.
+
+    Accelerators come first: a device whose memory is the host's (a CPU-type OpenCL device such
+    as PoCL, the CPU) is chosen only when no cuda, OpenCL-GPU or sim device can hold the model.
+    Within a rank the device with the most room wins; ties go to the earlier device (cuda
+    before opencl before sim).
 
     Raises OutOfMemoryError when no device has room (its message lists every device with its
     free memory), InvalidDeviceError when there is no device at all, InvalidInputError for a
@@ -163,8 +172,9 @@ def select_backend_for_model(total_bytes: int | MemoryEstimate, *,
                                  "available (see gpumem.devices())" if devices is None
                                  else "devices is empty")
     best = None
-    for r in rooms:
-        if r.room >= requested and (best is None or r.room > best.room):
+    for r in rooms:            # rank: accelerator before host memory, then most room
+        if r.room >= requested and (best is None or (not r.host_memory, r.room)
+                                    > (not best.host_memory, best.room)):
             best = r
     if best is not None:
         return best.backend, best.index

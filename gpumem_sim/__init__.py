@@ -6,7 +6,10 @@ model). The registry decides which devices ``"sim:0"``, ``"sim:1"``... name:
 
 - :func:`install` (replacing earlier ones), :func:`installed`, :func:`uninstall`, :func:`using`;
 - when nothing is installed, ``GPUMEM_SIM_DEVICES="16GiB,8GiB"`` is read on first use;
-- when that is unset too, there is one 16 GiB device, so ``"sim:0"`` works out of the box.
+- when that is unset too, there is no simulated device: defaults (``gpumem.get_manager()``,
+  ``MemoryManager()``, placement) never pick one. An explicit ``"sim:0"`` then opens
+  :func:`demo_device` (16 GiB, outside the registry) so demos still work, and ``"sim:<size>"``
+  (``"sim:80GiB"``) opens a private device of that size.
 
 Example::
 
@@ -28,17 +31,20 @@ from gpumem_sim.device import (
 )
 from gpumem_sim.registry import (
     DEFAULT_CAPACITY,
+    PrivateSimDevice,
     ENV_VAR,
+    demo_device,
     devices_from_env,
     install,
     installed,
+    nothing_installed,
     uninstall,
     using,
 )
 
 __all__ = [
-    "SimDevice", "SimCall", "SimSegment",
-    "install", "installed", "uninstall", "using", "devices_from_env",
+    "SimDevice", "SimCall", "SimSegment", "PrivateSimDevice",
+    "install", "installed", "uninstall", "using", "devices_from_env", "demo_device", "nothing_installed",
     "ENV_VAR", "DEFAULT_CAPACITY", "MAX_CAPACITY", "MAX_ALIGNMENT", "CALL_LOG_LIMIT",
     "SIM_ERROR_OUT_OF_MEMORY", "SIM_ERROR_INJECTED",
 ]

@@ -48,7 +48,8 @@ def test_version(capsys):
     assert code == 0 and out.startswith("gpumem ")
 
 
-def test_info(capsys):
+def test_info(capsys, sim_device):
+    sim_device("4GiB")                         # simulated devices are listed once installed
     code, out, err = run(capsys, "info")
     assert code == 0
     assert "sim:0" in out and "usable" in out

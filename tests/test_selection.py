@@ -149,3 +149,36 @@ def test_bad_devices_and_config(sims):
 def test_selection_allocates_nothing(sims):
     select_backend_for_model(GiB, config=CFG, devices=SIMS)
     assert all(d.alloc_calls == 0 and d.live_bytes == 0 for d in sims)
+
+
+def _pocl_or_skip() -> str:
+    from gpumem.backends import get_backend, holds_host_memory, open_device
+    ok, reason = get_backend("opencl").availability()
+    if not ok:
+        pytest.skip(f"opencl unavailable: {reason}")
+    if not holds_host_memory(open_device("opencl:0")):
+        pytest.skip("opencl:0 is not a CPU-type device (PoCL)")
+    return "opencl:0"
+
+
+def test_accelerators_rank_before_a_cpu_opencl_device():
+    """Issue 10 item 4 (real, PoCL): with PoCL present, a 600 MiB model on sim:0 (1 GiB) and
+    sim:1 (256 MiB) goes to sim:0, not to the CPU-type OpenCL device with more room."""
+    pocl = _pocl_or_skip()
+    gpumem_sim.install(SimDevice(GiB), SimDevice(256 * MiB))
+    assert select_backend_for_model(600 * MiB, config=CFG) == ("sim", 0)
+    assert select_backend_for_model(100 * MiB, config=CFG, devices=[pocl, "sim:1"]) == ("sim", 1)
+    # host memory is still chosen when no accelerator can hold the model
+    assert select_backend_for_model(512 * MiB, config=CFG, devices=[pocl, "sim:1"]) == ("opencl", 0)
+    assert device_room(pocl, CFG).host_memory and not device_room("sim:0", CFG).host_memory
+
+
+def test_devices_none_never_picks_an_uninstalled_sim_device():
+    """Issue 15 item 2 (real): with no sim device installed, automatic placement sees real
+    devices only (here PoCL, if present)."""
+    try:
+        backend, _ = select_backend_for_model(MiB, config=CFG)
+    except InvalidDeviceError as exc:
+        assert "no cuda, opencl or sim device" in str(exc)
+    else:
+        assert backend != "sim"

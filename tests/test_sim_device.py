@@ -515,11 +515,38 @@ def test_events_and_stream_lifetime():
 
 
 # --- registry, environment, backend ----------------------------------------------------------
-def test_default_is_one_16GiB_device():
-    (dev,) = gpumem_sim.installed()
+def test_no_sim_device_unless_installed_but_explicit_sim0_opens_the_demo_device():
+    """Issue 15 item 2 (real): with nothing installed and GPUMEM_SIM_DEVICES unset there is no
+    simulated device to list or pick, yet an explicit "sim:0" still opens one 16 GiB demo
+    device, the same object every time and outside the registry."""
+    assert gpumem_sim.installed() == () and gpumem_sim.nothing_installed()
+    dev = open_device("sim:0")
     assert dev.capacity == gpumem_sim.DEFAULT_CAPACITY == 16 * GiB
     assert dev.device_string == "sim:0"
-    assert gpumem_sim.installed()[0] is dev         # read once, then kept
+    assert open_device("sim") is dev is gpumem_sim.demo_device()    # made once, then kept
+    assert gpumem_sim.installed() == ()                              # still not listed
+    (row,) = BACKEND.describe()
+    assert not row.available and row.simulated and "no simulated device installed" in row.reason
+    with pytest.raises(InvalidDeviceError, match="0 sim device"):
+        open_device("sim:1")                                         # only sim:0 has a demo
+    gpumem_sim.install()                     # explicitly none: sim:0 is then an error
+    with pytest.raises(InvalidDeviceError, match="0 sim device"):
+        open_device("sim:0")
+
+
+def test_sim_size_string_opens_a_private_device():
+    """Device strings mean the same everywhere (real): "sim:80GiB" is a new private device of
+    that size, named as asked, never installed; a malformed size names the device string."""
+    a, b = open_device("sim:80GiB"), open_device(" sim : 1.5 GiB ")
+    assert (a.capacity, a.device_string) == (80 * GiB, "sim:80GiB")
+    assert (b.capacity, b.device_string) == (3 * GiB // 2, "sim:1.5GiB")
+    assert open_device("sim:80GiB") is not a and gpumem_sim.installed() == ()
+    for bad in ("sim:lots", "sim:-1GiB"):
+        with pytest.raises(InvalidDeviceError, match="after 'sim:' give an index"):
+            open_device(bad)
+    for bad in ("sim:4parsecs", "sim:0GiB"):
+        with pytest.raises(InvalidInputError, match=f"device '{bad}' capacity"):
+            open_device(bad)
 
 
 def test_env_variable_describes_devices(monkeypatch):
@@ -601,15 +628,17 @@ def test_backend_adapter():
     assert BACKEND.open(1) is b
     assert open_device("sim:0") is a and open_device("sim") is a
     rows = BACKEND.describe()
-    assert [(r.device, r.total_memory, r.free_memory) for r in rows] == [
-        ("sim:0", GiB, GiB), ("sim:1", 2 * GiB, GiB)]
+    assert [(r.device, r.total_memory, r.free_memory, r.simulated) for r in rows] == [
+        ("sim:0", GiB, GiB, True), ("sim:1", 2 * GiB, GiB, True)]
     for bad in (2, -1, "0", True):
         with pytest.raises(InvalidDeviceError, match=r"sim:0 \(1.00 GiB\), sim:1 \(2.00 GiB\)"):
             BACKEND.open(bad)
     with pytest.raises(InvalidDeviceError):
         open_device("sim:7")
     gpumem_sim.install()
-    assert BACKEND.device_count() == 0 and BACKEND.describe() == []
+    assert BACKEND.device_count() == 0
+    assert [(r.device, r.available, r.simulated) for r in BACKEND.describe()] == [
+        ("sim", False, True)]
 
 
 # --- threads -------------------------------------------------------------------------------

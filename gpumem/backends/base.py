@@ -55,6 +55,7 @@ class DeviceDescription:
     total_memory: int = 0
     free_memory: int = 0
     reason: str = ""            # why the backend is unavailable
+    simulated: bool = False     # a gpumem_sim device (or the sim backend's "none installed" row)
 
 
 class Device(abc.ABC):
