@@ -87,6 +87,7 @@ def _drop_held(dask_worker=None):
 def _task(nbytes):
     """A task allocating through the worker's shared manager."""
     mm = gdask.worker_manager()
+    assert mm is gpumem.get_manager(mm.device_string)
     with mm.malloc(nbytes, tag="task") as buf:
         return {"device": mm.device_string, "nbytes": buf.nbytes,
                 "kind": type(buf).__name__, "hits": mm.stats().pool_hits}
@@ -122,10 +123,9 @@ def test_plugin_installs_on_every_worker_and_tasks_allocate_through_it(client, p
                                            _manager(dask_worker).stats().total_allocated_bytes))
     by_name = {name: info[addr] for name, addr in addresses.items()}
     assert by_name == {0: ("sim:0", 80 * MiB), 1: ("sim:1", 80 * MiB)}   # 64 MiB in 20 MiB blocks
-    if hasattr(gpumem, "get_manager"):
-        same = client.run(lambda dask_worker: _manager(dask_worker) is gpumem.get_manager(
-            DEVICES[dask_worker.name]))
-        assert all(same.values())
+    same = client.run(lambda dask_worker: _manager(dask_worker) is gpumem.get_manager(
+        DEVICES[dask_worker.name]))
+    assert all(same.values())                        # the worker's shared manager
     for name, addr in addresses.items():
         result = client.submit(_task, 3 * MiB, workers=[addr], pure=False).result(timeout=20)
         assert result["device"] == DEVICES[name] and result["nbytes"] == 3 * MiB

@@ -101,6 +101,28 @@ def test_manager_fixture_passes_clean_tests_and_fails_leaks(suite):
                                  "*gpumem: the test leaked:*", "*forgotten-activations*"])
 
 
+def test_shared_managers_start_fresh_and_are_leak_checked(suite):
+    """Code under test that allocates through gpumem.get_manager() gets a shared manager on the
+    test's own device; one left holding buffers fails the test; the next test starts fresh."""
+    result = suite("""
+        import gpumem
+        kept = []
+        def test_leaks_through_library_code(gpumem_devices):
+            mm = gpumem.get_manager("sim:0")
+            assert mm.device is gpumem_devices.sim[0]
+            kept.append(mm.malloc(1 << 20))
+        def test_next_is_fresh(gpumem_devices):
+            mm = gpumem.get_manager("sim:0")
+            assert mm.device is gpumem_devices.sim[0] and mm.stats().active_buffers == 0
+            with mm.malloc(1 << 20):
+                pass
+    """)
+    result.assert_outcomes(passed=2, errors=1)
+    result.stdout.fnmatch_lines(["*ERROR at teardown of test_leaks_through_library_code*",
+                                 "*left buffers alive on a shared manager*",
+                                 "*1 buffer(s) still live on sim:0*"])
+
+
 def test_marker_faults_and_config_reach_the_oom_ladder(suite):
     """faults={'fail_after': 0} makes the first device's driver refuse every segment: with CPU
     fallback off (the marker's config) malloc raises OutOfMemoryError; with it on, the buffer

@@ -308,10 +308,6 @@ def _metric_key() -> str:
 def _open_manager(device: str | None, config: MemoryConfig | None,
                   knobs: dict[str, Any]) -> "MemoryManager":
     import gpumem
-    if not hasattr(gpumem, "get_manager"):      # a gpumem without shared managers: its own one
-        from gpumem.manager import MemoryManager
-        cfg = (config or MemoryConfig.from_env()).replace(**knobs)
-        return MemoryManager(device or "sim:0", cfg)
     if config is None and not knobs:
         return gpumem.get_manager(device)
     return gpumem.configure(device, config, **knobs)
