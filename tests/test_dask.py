@@ -318,3 +318,24 @@ def test_importing_gpumem_does_not_import_distributed():
     import subprocess
     code = "import sys, gpumem; sys.exit('distributed' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_docs_example_runs(tmp_path):
+    """The example of docs/dask.md, run as it stands there as a script (its own LocalCluster
+    of 2 worker processes on simulated devices): its assertions hold and it prints the table."""
+    import os
+    import re
+    import subprocess
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "docs", "dask.md")) as f:
+        code = re.search(r"```python\n(.*?)```", f.read(), re.S).group(1)
+    script = tmp_path / "example.py"
+    script.write_text(code)
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env.pop("GPUMEM_SIM_DEVICES", None)
+    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, timeout=120,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert lines[0] == "['sim:0', 'sim:1']"
+    assert [line.split()[:2] for line in lines[2:4]] == [["0", "sim:0"], ["1", "sim:1"]]

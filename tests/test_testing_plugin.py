@@ -5,6 +5,8 @@ and leak checks, each proven by running a small user test suite through pytest's
 """
 from __future__ import annotations
 
+import numpy  # noqa: F401  (imported before pytester's in-process runs, which unload what
+#                          they import: numpy cannot be loaded twice in one process)
 import pytest
 
 import gpumem_sim
@@ -12,6 +14,7 @@ from gpumem.errors import InvalidInputError
 from gpumem.testing import parse_device_specs, map_to_backend
 
 pytest_plugins = ["pytester"]
+pytestmark = pytest.mark.slow       # each test runs whole pytest sessions in-process
 
 
 @pytest.fixture
@@ -241,3 +244,20 @@ def test_parse_and_map_specs():
     for bad in ("sim", "sim:lots", "gpu:0", "cuda:x", "", "sim:1GiB,,sim:1GiB"):
         with pytest.raises(InvalidInputError, match="--gpumem-devices"):
             parse_device_specs(bad)
+
+
+def test_docs_example(suite):
+    """The user's test file of docs/testing.md, as it stands there, passes on two simulated
+    GPUs; dropping one sequence fewer makes its leak check fail it, as the page says."""
+    import os
+    import re
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "docs", "testing.md")) as f:
+        code = re.search(r"```python\n(.*?)```", f.read(), re.S).group(1)
+    suite(code, "--gpumem-devices", "sim:16GiB,sim:8GiB").assert_outcomes(passed=3)
+    leaky = code.replace("    for seq in range(8):\n        cache.drop(seq)",
+                         "    for seq in range(7):\n        cache.drop(seq)")
+    assert leaky != code
+    result = suite(leaky)
+    result.assert_outcomes(passed=3, errors=1)
+    result.stdout.fnmatch_lines(["*1 buffer(s) still live on sim:0*"])
