@@ -98,7 +98,7 @@ def _sim_live_bytes():
     return [d.live_bytes for d in gpumem_sim.installed()]
 
 
-def _wait_for(predicate, what, timeout=15.0):
+def _wait_for(predicate, what, timeout=30.0):
     deadline = time.monotonic() + timeout
     while True:
         value = predicate()
@@ -339,3 +339,15 @@ def test_docs_example_runs(tmp_path):
     lines = done.stdout.splitlines()
     assert lines[0] == "['sim:0', 'sim:1']"
     assert [line.split()[:2] for line in lines[2:4]] == [["0", "sim:0"], ["1", "sim:1"]]
+
+
+def test_cli_cluster_errors(capsys):
+    """`gpumem cluster` with no scheduler at the address, or a bad timeout: one line on stderr,
+    a non-zero status (the connection attempt is bounded by --timeout)."""
+    start = time.monotonic()
+    assert cli_main(["cluster", "tcp://127.0.0.1:9", "--timeout", "1"]) == 1
+    assert time.monotonic() - start < 60          # bounded (the machine may be busy)
+    err = capsys.readouterr().err
+    assert err.startswith("gpumem: error: cannot reach the Dask scheduler at 'tcp://127.0.0.1:9'")
+    assert cli_main(["cluster", "tcp://127.0.0.1:9", "--timeout", "0"]) == 2
+    assert "--timeout must be > 0" in capsys.readouterr().err

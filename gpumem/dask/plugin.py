@@ -19,6 +19,7 @@ from distributed import WorkerPlugin
 from distributed.core import Status
 
 from gpumem.config import MemoryConfig
+from gpumem.dask.report import METRIC_NAME
 from gpumem.errors import BackendUnavailableError, InvalidInputError
 from gpumem.pressure import MemoryPressure
 from gpumem.units import format_bytes, parse_size
@@ -37,9 +38,6 @@ PLUGIN_NAME = "gpumem"
 #: The integration module each framework flag loads (built on the frameworks issue).
 FRAMEWORK_MODULES = {"cupy": "gpumem.integrations.cupy", "numba": "gpumem.integrations.numba",
                      "torch": "gpumem.integrations.torch"}
-
-DeviceChoice = "str | Mapping[Any, str] | Callable[[Worker], str] | None"
-
 
 def _level(value: Any, what: str) -> MemoryPressure | None:
     if value is None or isinstance(value, MemoryPressure):
@@ -185,7 +183,7 @@ class GpumemPlugin(WorkerPlugin):
             manager.close()
             raise
         self.manager, self._worker = manager, worker
-        worker.metrics[_metric_key()] = self._metric
+        worker.metrics[METRIC_NAME] = self._metric
         if self.release_at is not None or self.pause_at is not None:
             loop = worker.loop
             watch = min(x for x in (self.release_at, self.pause_at) if x is not None)
@@ -205,7 +203,7 @@ class GpumemPlugin(WorkerPlugin):
         if self._callback is not None:
             self._callback.stop()
             worker.periodic_callbacks.pop(f"{self.name}-pressure", None)
-        worker.metrics.pop(_metric_key(), None)
+        worker.metrics.pop(METRIC_NAME, None)
         if self._paused_by_us and worker.status == Status.paused:
             worker.status = Status.running
         self._paused_by_us = False
@@ -298,11 +296,6 @@ class GpumemPlugin(WorkerPlugin):
             raise InvalidInputError(f"GpumemPlugin(device=callable) returned {device!r} for "
                                     f"worker {worker.name!r}; expected a device string or None")
         return device
-
-
-def _metric_key() -> str:
-    from gpumem.dask.report import METRIC_NAME
-    return METRIC_NAME
 
 
 def _open_manager(device: str | None, config: MemoryConfig | None,
