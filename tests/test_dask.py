@@ -184,8 +184,8 @@ def test_oom_ladder_seen_from_the_client(client, plugin):
     finally:
         client.run(lambda: gpumem_sim_device(0).clear_faults(), workers=[a0])
     assert result["kind"] == "FallbackBuffer" and result["device"] == "sim:0"
-    rows = _wait_for(lambda: (r := _report(client)) and r[0].get("cpu_fallbacks") == 1 and r,
-                     "the fallback in the scheduler's metrics")
+    rows = _wait_for(lambda: (r := _report(client)) and r[0].get("cpu_fallbacks") == 1
+                     and r[1]["plugin"] and r, "the fallback in the scheduler's metrics")
     assert rows[0]["num_ooms"] == 0 and rows[1]["cpu_fallbacks"] == 0
 
 
@@ -221,7 +221,8 @@ def test_pressure_frees_the_cache_and_pauses_the_worker(client, plugin):
     client.run(_drop_held, workers=[a0])
     assert waiting.result(timeout=20)["device"] == "sim:0"
     _wait_for(lambda: status() == "running", "worker 0 resumed")
-    assert _report(client)[1]["pauses"] == 0
+    rows = _wait_for(lambda: (r := _report(client)) and r[1]["plugin"] and r, "worker 1's row")
+    assert rows[1]["pauses"] == 0 and not rows[1]["paused"]      # worker 1 was never paused
 
 
 def test_teardown_reports_leaks_and_leaves_no_byte_held(client, plugin):
@@ -240,9 +241,8 @@ def test_teardown_reports_leaks_and_leaves_no_byte_held(client, plugin):
         assert "1 buffer(s) still live on " + DEVICES[name] in leaks[addr]
         assert "held" in leaks[addr] and "5.00 MiB" in leaks[addr]
     client.run(lambda dask_worker: len(dask_worker.__dict__.pop("gpumem_held")))
-    rows = _wait_for(lambda: (r := _report(client)) and not r[0]["plugin"] and r,
-                     "the metric gone after teardown")
-    assert not rows[1]["plugin"]
+    _wait_for(lambda: not any(r["plugin"] for r in _report(client).values()),
+              "the metric gone from every worker's heartbeat after teardown")
 
 
 def test_registration_errors_reach_the_client(client):
