@@ -1,7 +1,7 @@
 """gpumem: a caching GPU memory allocator with a Cython core.
 
 >>> import gpumem
->>> mm = gpumem.MemoryManager("sim:0")     # or gpumem.get_manager(): the default device's shared one
+>>> mm = gpumem.MemoryManager("sim:0")   # gpumem.get_manager(): the default device's shared one
 >>> buf = mm.malloc(1 << 20)
 >>> buf.free()
 """
@@ -9,7 +9,7 @@ import logging as _logging
 
 from gpumem._core.buffer import Buffer
 from gpumem._core.pool import CachingPool
-from gpumem.backends import devices
+from gpumem.backends import default_device, devices
 from gpumem.config import MemoryConfig
 from gpumem.errors import (BackendUnavailableError, ClosedManagerError, DoubleFreeError,
                            DriverError, DriverOutOfMemory, ForeignBufferError, GpuMemoryError,
@@ -38,7 +38,7 @@ __all__ = [
     "Buffer", "CachingPool", "MemoryManager", "MemoryConfig", "MemoryStats", "MemoryPressure",
     "FallbackBuffer", "BufferBatch", "MultiDeviceManager", "allocate_batch", "warmup",
     "estimate_inference_memory", "estimate_model", "MemoryEstimate", "MODEL_PRESETS",
-    "select_backend_for_model", "devices", "format_bytes", "parse_size",
+    "select_backend_for_model", "devices", "default_device", "format_bytes", "parse_size",
     "GpuMemoryError", "OutOfMemoryError", "InvalidInputError", "InvalidDeviceError",
     "DoubleFreeError", "ForeignBufferError", "ClosedManagerError", "BackendUnavailableError",
     "DriverError", "DriverOutOfMemory", "TraceFormatError",
@@ -57,6 +57,8 @@ _LAZY = {
     "AllocationTracker": ("gpumem.tracking", "AllocationTracker"),
     "BufferMetadata": ("gpumem.tracking", "BufferMetadata"),
     "HistoryRecorder": ("gpumem.history", "HistoryRecorder"),
+    "Measurement": ("gpumem.measure", "Measurement"),
+    "MeasuredStats": ("gpumem.measure", "MeasuredStats"),
 }
 
 

@@ -278,6 +278,35 @@ def cmd_snapshot(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+# --- summary ------------------------------------------------------------------------------------------
+def cmd_summary(args: argparse.Namespace) -> int:
+    from gpumem.config import MemoryConfig
+    from gpumem.manager import MemoryManager
+    from gpumem.summary import format_summary, summary_data
+    if args.top_tags < 0:
+        raise CliError(f"--top-tags must be >= 0, got {args.top_tags}", EXIT_USAGE)
+    cfg = MemoryConfig.from_env().replace(track_allocations=True, min_free_bytes=0)
+    with MemoryManager(args.device, cfg) as mm:
+        live = _demo_workload(mm)
+        try:
+            data = summary_data(mm, top_tags=args.top_tags)
+        finally:
+            for b in live:
+                b.free()
+    if args.json == "-":
+        _out(json.dumps(data, indent=1))
+        return EXIT_OK
+    _out(format_summary(data))
+    if args.json:
+        try:
+            with open(args.json, "w") as f:
+                json.dump(data, f, indent=1)
+        except OSError as exc:
+            raise CliError(f"cannot write {args.json}: {exc.strerror or exc}") from None
+        _out(f"wrote {args.json}")
+    return EXIT_OK
+
+
 # --- demo ---------------------------------------------------------------------------------------------
 def _demo_step(mm: Any, label: str, fn: Any) -> Any:
     before = mm.stats()
@@ -495,6 +524,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--capacity", default="1GiB", help="demo device size (1GiB)")
     s.add_argument("--max-segments", type=int, default=30, help="segments listed (30)")
     s.set_defaults(func=cmd_snapshot)
+
+    s = sub.add_parser("summary", help="MemoryManager.memory_summary() of a demo workload")
+    s.add_argument("--device", default="sim:1GiB",
+                   help="where to run the workload: sim:<size> (a private simulated device), "
+                        "cpu, opencl:0, cuda:0... (default sim:1GiB)")
+    s.add_argument("--top-tags", type=int, default=5, help="tags listed (5)")
+    s.add_argument("--json", metavar="FILE", help="also save the figures as JSON ('-': only "
+                   "JSON, to stdout)")
+    s.set_defaults(func=cmd_summary)
 
     s = sub.add_parser("plot", help="plot live vs reserved memory over a trace")
     s.add_argument("trace", help="a trace file, or 'demo'")

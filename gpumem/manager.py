@@ -20,6 +20,7 @@ from gpumem.config import MemoryConfig
 from gpumem.errors import (ClosedManagerError, DriverError, DriverOutOfMemory,
                            ForeignBufferError, InvalidInputError, OutOfMemoryError)
 from gpumem.fallback import FallbackBuffer
+from gpumem.measure import manager_peaks
 from gpumem.pressure import MemoryPressure, PressureCallback, pressure_level
 from gpumem.stats import MemoryStats
 from gpumem.units import format_bytes
@@ -27,6 +28,7 @@ from gpumem.units import format_bytes
 if TYPE_CHECKING:
     from gpumem.batch import BufferBatch
     from gpumem.history import HistoryRecorder
+    from gpumem.measure import Measurement, PeakWindows
 
 __all__ = ["MemoryManager", "OomCallback"]
 
@@ -106,6 +108,7 @@ class MemoryManager(ManagerCore):
         self._streams: set[int] = {0}
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._frag_warned = False
+        self._peak_windows: PeakWindows | None = None     # made by the first measure()
         self.tracker = None
         if config.track_allocations:
             from gpumem.tracking import AllocationTracker
@@ -454,11 +457,17 @@ class MemoryManager(ManagerCore):
         self._trim_cache()
 
     def reset_peak_stats(self) -> None:
-        self.pool.reset_peaks()
+        """Restart the peak counters of ``stats()`` from what is held now."""
+        if self._peak_windows is not None:
+            self._peak_windows.reset()            # open measure() blocks keep their peaks
+        else:
+            self.pool.reset_peaks()
 
     # --- statistics ----------------------------------------------------------------------------------
     def stats(self) -> MemoryStats:
         c = self.pool.counters(consistent=True)
+        # measure() blocks reset the pool's peak counters: the manager's peaks come from here
+        c["peak_in_use_bytes"], c["peak_reserved_bytes"] = manager_peaks(self, c)
         return MemoryStats(
             device=self.device_string,
             total_allocated_bytes=c["reserved_bytes"],
@@ -578,6 +587,20 @@ class MemoryManager(ManagerCore):
         return self._executor.submit(self.malloc, int(nbytes), stream=stream, tag=tag)
 
     # --- seeing memory ----------------------------------------------------------------------------
+    def measure(self) -> "Measurement":
+        """``with mm.measure() as m: ...`` then ``m.stats``: what changed inside the block
+        (allocations, frees, hits, misses, bytes) and its peak (see gpumem.measure)."""
+        from gpumem.measure import Measurement
+        self._check_open()
+        return Measurement(self)
+
+    def memory_summary(self, *, top_tags: int = 5) -> str:
+        """A table a person reads at a glance: reserved, in use, cached, peaks, fallback,
+        hits/misses, segments by pool and size class, largest free block, pressure, and the
+        top tags by bytes when tracking is on (see gpumem.summary)."""
+        from gpumem.summary import memory_summary
+        return memory_summary(self, top_tags=top_tags)
+
     def snapshot(self) -> dict:
         """Segments and blocks as a plain, JSON-ready dict (see gpumem.snapshot)."""
         from gpumem.snapshot import take_snapshot

@@ -36,6 +36,7 @@ from gpumem.errors import (ClosedManagerError, ForeignBufferError, InvalidDevice
                            InvalidInputError)
 from gpumem.fallback import FallbackBuffer
 from gpumem.manager import MemoryManager
+from gpumem.measure import manager_peaks
 from gpumem.stats import MemoryStats
 
 __all__ = ["MultiDeviceManager", "PlacementPolicy", "POLICIES"]
@@ -311,7 +312,7 @@ class MultiDeviceManager(PlacementCore):
         for m in self._managers:
             c = m.pool.counters()
             allocated += c["in_use_bytes"]
-            peak += c["peak_in_use_bytes"]
+            peak += manager_peaks(m, c)[0]
         return allocated, peak
 
     def emergency_cleanup_all(self) -> int:

@@ -10,12 +10,20 @@ its own::
 Managers built directly with ``MemoryManager(...)`` are not shared and keep working as before;
 all managers on one device still help each other when one runs out of memory (gpumem.peers).
 
-Thread safety: the registry (``_shared``: canonical device string -> manager) is owned by this
-module and guarded by ``_lock``, one ``threading.Lock``. A manager is created and a replaced one
-closed while the lock is held, so two threads asking at once get the same object and a
-``configure`` is never half seen; ``get_manager`` for another device waits meanwhile (this
-happens once per device). Nothing else takes ``_lock``: managers do not call into this module,
-so neither their ``__del__`` nor their OOM ladder can wait for it.
+Thread safety: the registry (``_shared``: canonical device string -> manager, and ``_fast``:
+the device argument as given -> manager) is owned by this module and guarded by ``_lock``, one
+``threading.Lock``. Every write happens under the lock; a manager is created and a replaced one
+closed while it is held, so two threads asking at once get the same object and a ``configure``
+is never half seen (``get_manager`` for another device waits meanwhile, once per device). The
+one read without the lock is ``get_manager``'s fast path: a single ``dict.get`` on ``_fast``
+(atomic under the GIL) of a manager that is then checked to be open, so a repeat call costs a
+lookup, not a parse of the device string (framework allocators call it per allocation).
+Nothing else takes ``_lock``: managers do not call into this module, so neither their
+``__del__`` nor their OOM ladder can wait for it.
+
+``get_manager()`` resolves the default device once and remembers it (in ``_fast[None]``) until
+``configure`` or ``close_shared_managers`` runs: setting ``GPUMEM_DEVICE`` later does not move
+an existing default manager.
 """
 from __future__ import annotations
 
@@ -31,6 +39,7 @@ __all__ = ["get_manager", "configure", "shared_managers", "close_shared_managers
 
 _lock = threading.Lock()
 _shared: dict[str, MemoryManager] = {}
+_fast: dict[str | None, MemoryManager] = {}     # spelling as given -> its shared manager
 
 
 def _key(device: str | None) -> str:
@@ -48,12 +57,19 @@ def get_manager(device: str | None = None) -> MemoryManager:
     first use with ``MemoryConfig.from_env()``. Device strings are compared in their canonical
     spelling (``"CUDA:0"`` and ``"cuda:0"`` share one manager). A shared manager that was closed
     is replaced by a new one on the next call."""
+    try:
+        mgr = _fast.get(device)                   # no lock: one atomic dict read
+    except TypeError:                             # unhashable: _key raises the clear error
+        mgr = None
+    if mgr is not None and not mgr._closed:       # the C attribute: no property call
+        return mgr
     key = _key(device)
     with _lock:
         mgr = _shared.get(key)
         if mgr is None or mgr.closed:
             mgr = MemoryManager(key, MemoryConfig.from_env())
             _shared[key] = mgr
+        _fast[device] = mgr
         return mgr
 
 
@@ -87,6 +103,7 @@ def configure(device: str | None = None, config: MemoryConfig | None = None, *,
                     f"free them first, or pass force=True to invalidate them")
         mgr = MemoryManager(key, cfg)       # made before the old one closes: a failure keeps it
         _shared[key] = mgr
+        _fast.clear()                       # other spellings (and None) are looked up again
         if old is not None:
             old.close()
         return mgr
@@ -104,6 +121,7 @@ def close_shared_managers() -> int:
     with _lock:
         managers = list(_shared.values())
         _shared.clear()
+        _fast.clear()
         open_ones = [m for m in managers if not m.closed]
         for m in open_ones:
             m.close()

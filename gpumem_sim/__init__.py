@@ -44,7 +44,8 @@ from gpumem_sim.registry import (
 
 __all__ = [
     "SimDevice", "SimCall", "SimSegment", "PrivateSimDevice",
-    "install", "installed", "uninstall", "using", "devices_from_env", "demo_device", "nothing_installed",
+    "install", "installed", "uninstall", "using", "devices_from_env", "demo_device",
+    "nothing_installed",
     "ENV_VAR", "DEFAULT_CAPACITY", "MAX_CAPACITY", "MAX_ALIGNMENT", "CALL_LOG_LIMIT",
     "SIM_ERROR_OUT_OF_MEMORY", "SIM_ERROR_INJECTED",
 ]

@@ -144,11 +144,13 @@ class PrivateSimDevice(SimDevice):
 
 
 def uninstall() -> None:
-    """Forget the installed devices (the environment is read again on next use). The device
-    objects are left untouched for whoever still holds them."""
-    global _devices
+    """Forget the installed devices and the demo device (the environment is read again, and a
+    fresh demo device made, on next use). The device objects are left untouched for whoever
+    still holds them."""
+    global _devices, _demo
     with _lock:
         _devices = None
+        _demo = None
 
 
 @contextlib.contextmanager

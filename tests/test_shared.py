@@ -54,6 +54,7 @@ def test_one_shared_manager_per_device_in_any_spelling():
     a, b = gpumem_sim.install(SimDevice("256MiB"), SimDevice("256MiB"))
     mm = get_manager("sim:0")
     assert get_manager(" SIM : 0 ") is mm and get_manager("sim") is mm
+    assert get_manager("sim") is mm                   # again, through the fast path
     assert mm.device is a and get_manager("sim:1").device is b
     assert get_manager("sim:1") is not mm
     assert set(shared_managers()) == {"sim:0", "sim:1"}
@@ -121,6 +122,8 @@ def test_get_manager_rejects_a_non_string_device(bad):
 def test_get_manager_rejects_unknown_devices():
     with pytest.raises(InvalidDeviceError, match="unknown device"):
         get_manager("tpu:0")
+    with pytest.raises(InvalidDeviceError, match="cpu:1"):
+        get_manager("cpu:1")                             # as MemoryManager("cpu:1") does
     with pytest.raises(InvalidDeviceError, match="sim:3"):
         get_manager("sim:3")
     assert shared_managers() == {}
@@ -134,8 +137,12 @@ def test_default_device_comes_from_the_environment(monkeypatch):
     assert get_manager() is get_manager("sim:1")
     assert MemoryManager(config=EXACT).device is gpumem_sim.installed()[1]
     monkeypatch.setenv(DEVICE_ENV_VAR, "tpu:0")
+    assert get_manager() is get_manager("sim:1")      # the default is resolved once...
+    close_shared_managers()                           # ...until the registry is reset
     with pytest.raises(InvalidDeviceError, match=DEVICE_ENV_VAR):
         get_manager()
+    with pytest.raises(InvalidDeviceError, match=DEVICE_ENV_VAR):
+        MemoryManager()                               # a direct manager reads it every time
 
 
 def test_without_an_accelerator_the_default_is_an_installed_sim_device_only():
@@ -212,6 +219,7 @@ def test_configure_replaces_the_shared_manager_with_knobs():
     assert dev.live_segments == 0                        # the old cache went back to the driver
     fresh = configure("sim:0")                           # no config: MemoryConfig.from_env()
     assert fresh.config == MemoryConfig.from_env() and new.closed
+    assert get_manager("SIM:0") is fresh and get_manager("sim") is fresh   # no stale spelling
 
 
 def test_configure_refuses_while_buffers_are_live_unless_forced():
@@ -327,3 +335,40 @@ def test_peers_are_weak_and_closed_ones_are_ignored():
     gc.collect()
     assert peers_of(a) == []
     a.close()
+
+
+def test_peers_release_on_every_backend(backend_name, sim_device):
+    """The peer rung through each backend's own free-memory figure. Level: **real** on sim and
+    PoCL (opencl counts the bytes this process holds), **fake driver** on cuda (cuMemGetInfo of
+    tests/fake_cuda). B may only grow while ``min_free_bytes`` stays free, which holds only once
+    A has given its 64 MiB cache back. cpu is left out: the OS's free memory moves with other
+    processes by more than the margin."""
+    if backend_name == "cpu":
+        pytest.skip("host free memory moves with other processes: no exact margin")
+    if backend_name == "sim":
+        sim_device("1GiB")
+    device = "sim:0" if backend_name == "sim" else f"{backend_name}:0"
+    a = MemoryManager(device, EXACT)
+    try:
+        _cached(a, 64 * MiB)
+        free, _ = a.memory_info()
+        b = MemoryManager(device, EXACT.replace(min_free_bytes=free - 32 * MiB))
+        try:
+            assert a in peers_of(b)
+            with b.malloc(64 * MiB) as buf:            # needs A's cache back at the driver
+                assert buf.nbytes == 64 * MiB and a.pool.reserved_bytes == 0
+        finally:
+            b.close()
+    finally:
+        a.close()
+
+
+def test_canonical_device_strings():
+    """One spelling per device, so get_manager shares one manager across spellings (real)."""
+    from gpumem.backends import canonical_device
+    assert [canonical_device(d) for d in ("cpu", "CPU:0", "sim", " Sim : 2 ", "sim:1.5 GiB",
+                                          "OpenCL:0")] == [
+        "cpu", "cpu", "sim:0", "sim:2", "sim:1.5GiB", "opencl:0"]
+    for bad in ("sim:lots", "cuda:-1", "gpu:0", 3):
+        with pytest.raises(InvalidDeviceError):
+            canonical_device(bad)

@@ -525,6 +525,8 @@ def test_no_sim_device_unless_installed_but_explicit_sim0_opens_the_demo_device(
     assert dev.device_string == "sim:0"
     assert open_device("sim") is dev is gpumem_sim.demo_device()    # made once, then kept
     assert gpumem_sim.installed() == ()                              # still not listed
+    gpumem_sim.uninstall()
+    assert open_device("sim:0") is not dev          # uninstall() starts from a fresh demo device
     (row,) = BACKEND.describe()
     assert not row.available and row.simulated and "no simulated device installed" in row.reason
     with pytest.raises(InvalidDeviceError, match="0 sim device"):

@@ -87,7 +87,7 @@ def canonical_device(device: str) -> str:
                                      f"a size (sim:80GiB)")
         return f"sim:{m.group(1)}{m.group(2)}"
     name, index = parse_device(device)
-    return "cpu" if name == "cpu" else f"{name}:{index}"
+    return "cpu" if (name, index) == ("cpu", 0) else f"{name}:{index}"
 
 
 def open_device(device: str) -> Device:
