@@ -189,31 +189,34 @@ def test_faults_fixture(suite):
     result.assert_outcomes(passed=3)
 
 
-def test_same_tests_on_a_real_backend(suite):
-    """--gpumem-backend opencl runs the same user test on opencl:0 (PoCL here) instead of
+@pytest.mark.parametrize("backend", ["opencl", "cuda"])
+def test_same_tests_on_a_real_backend(suite, backend):
+    """--gpumem-backend opencl (cuda) runs the same user test on opencl:0 (cuda:0) instead of
     sim:0; where the backend is absent, the test is skipped with the reason. Fault tests are
-    skipped on real devices, never run without their faults."""
+    skipped on real devices, never run without their faults. Levels: opencl on PoCL is real;
+    cuda runs in ci/test.sh's fake-driver pass (tests/fake_cuda under the real cuda-python) and
+    is skipped in the first pass, where libcuda is absent."""
     from gpumem.backends import open_device
     try:
-        open_device("opencl:0")
+        open_device(f"{backend}:0")
         available = True
     except Exception:
         available = False
-    result = suite("""
+    result = suite(f"""
         def test_alloc(gpumem_manager, gpumem_devices):
-            assert list(gpumem_devices) == ["opencl:0"]
-            assert gpumem_manager.device_string == "opencl:0"
+            assert list(gpumem_devices) == ["{backend}:0"]
+            assert gpumem_manager.device_string == "{backend}:0"
             with gpumem_manager.malloc(1 << 20) as buf:
                 assert buf.nbytes == 1 << 20
         def test_faults(gpumem_faults):
             raise AssertionError("must not run on a real device")
-    """, "--gpumem-backend", "opencl", "-rs")
+    """, "--gpumem-backend", backend, "-rs")
     if available:
         result.assert_outcomes(passed=1, skipped=1)
         result.stdout.fnmatch_lines(["*gpumem_faults needs simulated devices*"])
     else:
         result.assert_outcomes(skipped=2)
-        result.stdout.fnmatch_lines(["*opencl:0 is not available here*"])
+        result.stdout.fnmatch_lines([f"*{backend}:0 is not available here*"])
 
 
 def test_bad_input_is_a_usage_error(suite):
