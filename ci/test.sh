@@ -8,7 +8,7 @@
 # bindings' calling conventions, not a GPU; GPU results are in docs/hardware.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-source ci/setup_env.sh "test,pocl,plot,cli,cuda,numba"
+source ci/setup_env.sh "test,pocl,plot,cli,cuda,numba,dask"
 python -m gpumem info || true
 python -m pytest -n auto tests "$@"
 

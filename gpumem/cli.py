@@ -9,6 +9,7 @@ Commands::
     gpumem plot TRACE OUT.png            live vs reserved memory over a trace
     gpumem demo                          what the allocator does, on a simulated device
     gpumem import-torch SNAP -o TRACE    a PyTorch memory snapshot's history as a trace
+    gpumem cluster SCHEDULER_ADDRESS     gpumem's memory on every worker of a Dask cluster
 
 With ``--json -`` a command writes only JSON to stdout (newline-terminated) and its report to
 stderr, so ``gpumem replay T --json - | jq .`` works.
@@ -500,6 +501,32 @@ def cmd_import_torch(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+# --- cluster ------------------------------------------------------------------------------------------
+def cmd_cluster(args: argparse.Namespace) -> int:
+    try:
+        from distributed import Client
+
+        from gpumem.dask import format_report, memory_report
+    except ImportError as exc:
+        raise CliError(f"gpumem cluster needs the 'distributed' package ({exc}); install it "
+                       f"with pip install 'gpumem[dask]'") from None
+    if args.timeout <= 0:
+        raise CliError(f"--timeout must be > 0 seconds, got {args.timeout}", EXIT_USAGE)
+    try:
+        client = Client(args.address, timeout=args.timeout, set_as_default=False)
+    except (OSError, TimeoutError, ValueError) as exc:
+        raise CliError(f"cannot reach the Dask scheduler at {args.address!r}: {exc}") from None
+    try:
+        rows = memory_report(client, show=False)
+    finally:
+        client.close()
+    if args.json:
+        _out(json.dumps(rows, indent=1, default=str))
+    else:
+        _out(format_report(rows))
+    return EXIT_OK
+
+
 # --- parser -------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     from gpumem.replay import CONFIG_PRESETS
@@ -614,6 +641,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--plot", metavar="PNG",
                    help="write the timeline there and the segment map next to it")
     s.set_defaults(func=cmd_demo)
+
+    s = sub.add_parser("cluster", help="gpumem's memory on every worker of a Dask cluster "
+                       "(GpumemPlugin's counters, as of the last heartbeat)")
+    s.add_argument("address", help="the scheduler's address, e.g. tcp://10.0.0.5:8786")
+    s.add_argument("--timeout", type=float, default=10.0,
+                   help="seconds to wait for the scheduler (10)")
+    s.add_argument("--json", action="store_true", help="print JSON rows")
+    s.set_defaults(func=cmd_cluster)
     return p
 
 

@@ -1,6 +1,8 @@
 """The exceptions gpumem raises. Every public error derives from :class:`GpuMemoryError`."""
 from __future__ import annotations
 
+import functools
+
 __all__ = [
     "GpuMemoryError",
     "OutOfMemoryError",
@@ -55,6 +57,13 @@ class OutOfMemoryError(GpuMemoryError, MemoryError):
         if reason:
             msg += f" ({reason})"
         super().__init__(msg)
+
+    def __reduce__(self):
+        # rebuilt from its fields, not from the message (the default): a Dask worker sends a
+        # task's exception to the client by pickling it
+        fields = {k: getattr(self, k) for k in ("device", "free", "total", "in_use", "cached",
+                                                 "limit", "largest_free_block", "reason")}
+        return functools.partial(type(self), **fields), (self.requested,), self.__dict__
 
 
 class InvalidInputError(GpuMemoryError, ValueError):
