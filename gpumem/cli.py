@@ -509,7 +509,7 @@ def cmd_cluster(args: argparse.Namespace) -> int:
         from gpumem.dask import format_report, memory_report
     except ImportError as exc:
         raise CliError(f"gpumem cluster needs the 'distributed' package ({exc}); install it "
-                       f"with pip install 'gpumem[dask]'") from None
+                       f"with pip install 'gpumem-pool[dask]'") from None
     if args.timeout <= 0:
         raise CliError(f"--timeout must be > 0 seconds, got {args.timeout}", EXIT_USAGE)
     try:

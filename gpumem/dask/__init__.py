@@ -1,4 +1,4 @@
-"""gpumem on every Dask worker (extra ``dask``: ``pip install 'gpumem[dask]'``).
+"""gpumem on every Dask worker (extra ``dask``: ``pip install 'gpumem-pool[dask]'``).
 
 ``import gpumem`` never imports this package (nor ``distributed``); importing it does.
 
@@ -27,7 +27,7 @@ try:
     import distributed  # noqa: F401
 except ImportError as exc:  # pragma: no cover - exercised where distributed is absent
     raise ImportError(f"gpumem.dask needs the 'distributed' package ({exc}); install it with "
-                      f"pip install 'gpumem[dask]'") from None
+                      f"pip install 'gpumem-pool[dask]'") from None
 
 from gpumem.dask.plugin import PLUGIN_NAME, GpumemPlugin, worker_manager, wire_frameworks
 from gpumem.dask.report import METRIC_NAME, format_report, memory_report
