@@ -661,7 +661,8 @@ def run_sim(timer: Timer, args) -> dict:
         skipped("C-level", "gpumem", str(exc))
         print(f"C-level benchmarks skipped: {exc}")
     pairs = 200_000 if timer.quick else 1_000_000
-    if cb is not None:
+    parts = set((args.only or "cpair,o1,threads,python").split(","))
+    if cb is not None and "cpair" in parts:
         for n in (512, 4 * KiB, 1 * MiB, 4 * MiB):
             bp = cb.BlockPool()
             bp.ensure_hits([n])
@@ -670,7 +671,12 @@ def run_sim(timer: Timer, args) -> dict:
                          [bp.hit_pair_ns([n], pairs) for _ in range(timer.repeats)],
                          note=f"{pairs} pairs per repeat, nogil loop")
             summary.setdefault("c_pair_ns", {})[fmt_size(n)] = row["median"]
+    if cb is not None and "o1" in parts:
         summary["o1"] = o1_check(cb, timer, pairs)
+    if cb is not None and "threads" in parts:
+        summary["threads"] = threads_check(cb, timer, pairs)
+    if "python" not in parts:
+        return summary
     # --- Python level ------------------------------------------------------------------------
     from gpumem import MemoryConfig
     dev = sim_device_string()
@@ -687,6 +693,26 @@ def run_sim(timer: Timer, args) -> dict:
     if not args.no_traces:
         bench_traces(timer, peers[:1], budget=None)
     return summary
+
+
+def threads_check(cb, timer: Timer, pairs: int) -> dict:
+    """Native threads doing nogil 4 KiB hit pairs (gm_alloc/gm_free): throughput of 1 thread,
+    2 threads on one stream and on two streams, interleaved in this run; ratios 2 / 1 over the
+    wall time and over the largest thread CPU time."""
+    from benchmarks.bench_pool import THREAD_CASES, thread_scaling
+    out = {}
+    for clock in ("wall", "cpu"):
+        r = thread_scaling(cb, pairs=pairs, repeats=timer.repeats, cpu=clock == "cpu")
+        one = statistics.median(r["1 thread"])
+        for case in THREAD_CASES:
+            record(f"threads, pairs/us ({clock} time)", case, r[case], unit="pairs/us",
+                   note=f"{pairs} pairs per thread per repeat")
+            if case != "1 thread":
+                ratio = statistics.median(r[case]) / one
+                record(f"threads, speedup over 1 ({clock} time)", case, [ratio], unit="ratio")
+                out[f"{case} ({clock})"] = ratio
+        out[f"1 thread ns/pair ({clock})"] = 1000.0 / one
+    return out
 
 
 def o1_check(cb, timer: Timer, pairs: int) -> dict:
@@ -862,6 +888,8 @@ def main(argv=None) -> int:
     ap.add_argument("--backend", choices=("sim", "opencl", "cuda"), default="sim")
     ap.add_argument("--quick", action="store_true", help="fewer, shorter repeats")
     ap.add_argument("--no-traces", action="store_true", help="skip the trace replays")
+    ap.add_argument("--only", metavar="PARTS",
+                    help="sim: comma list among cpair,o1,threads,python (default: all)")
     ap.add_argument("--live", type=int, metavar="N",
                     help="live buffers in the mixed benchmark (default: 10,000, or as many as "
                          "fit in half of what gpumem may take from the device)")

@@ -122,3 +122,47 @@ class HitScalingRatio:
         return statistics.median(big) / statistics.median(small)
 
     track_ratio_1m_over_10.unit = "ratio"
+
+
+THREAD_CASES = {"1 thread": [0], "2 threads, 1 stream": [0, 0], "2 threads, 2 streams": [0, 1]}
+
+
+def thread_scaling(cb, nbytes: int = 4 * KiB, pairs: int = 300_000, repeats: int = REPEATS,
+                   cpu: bool = False) -> dict:
+    """Hit-pair throughput (pairs/us) of native threads calling gm_alloc/gm_free without the
+    GIL, for each case of THREAD_CASES, measured interleaved (1, 2, 2, 1, 2, 2, ...) on one pool
+    per case. Returns {case: [pairs/us per repeat]}. cpu=True divides by the largest thread CPU
+    time instead of the wall time (see _cbench.threaded_pairs_per_us)."""
+    pools = {}
+    for case, streams in THREAD_CASES.items():
+        bp = cb.BlockPool()
+        for s in sorted(set(streams)):
+            bp.ensure_hits([nbytes], s)
+        cb.threaded_pairs_per_us(bp.pool, nbytes, pairs // 10, streams)      # warm
+        pools[case] = bp
+    out = {case: [] for case in THREAD_CASES}
+    for _ in range(repeats):
+        for case, streams in THREAD_CASES.items():
+            out[case].append(cb.threaded_pairs_per_us(pools[case].pool, nbytes, pairs, streams,
+                                                      cpu))
+    return out
+
+
+class ThreadScaling:
+    """Throughput of 2 native threads doing nogil hit pairs over that of 1 thread, same run
+    (interleaved repeats): target >= 1.6 on one stream and on two. "wall": pairs over the wall
+    time; "cpu": over the largest thread CPU time (on a loaded machine the wall time also
+    counts waiting for a core, which no allocator can help)."""
+
+    params = [["2 threads, 1 stream", "2 threads, 2 streams"], ["wall", "cpu"]]
+    param_names = ["case", "clock"]
+    timeout = 300
+
+    def setup(self, case, clock):
+        self.cb = load_cbench()
+
+    def track_speedup_over_1_thread(self, case, clock):
+        r = thread_scaling(self.cb, cpu=clock == "cpu")
+        return statistics.median(r[case]) / statistics.median(r["1 thread"])
+
+    track_speedup_over_1_thread.unit = "ratio"

@@ -27,6 +27,10 @@ The lock (one owner: the pool; it guards every C structure of the pool and nothi
 cimport cython
 from libc.stdint cimport uint64_t, int64_t, SIZE_MAX
 from libc.stdlib cimport malloc, calloc, free, realloc
+from libc.string cimport memset
+
+cdef extern from "<stdlib.h>" nogil:
+    void* aligned_alloc(size_t alignment, size_t size)
 from libcpp.atomic cimport atomic, memory_order_relaxed, memory_order_acquire, memory_order_release
 
 cdef extern from *:
@@ -44,7 +48,16 @@ cdef extern from *:
     template <typename A, typename V> static inline void gm_max(A &c, V v) {
         if (c.load(std::memory_order_relaxed) < v) c.store(v, std::memory_order_relaxed);
     }
+    // A small number per thread, handed out round-robin on the thread's first call: it picks
+    // the thread's front cache, so the first GM_NSHARDS threads never share one.
+    static std::atomic<unsigned> gm_thread_counter{0};
+    static thread_local int gm_thread_no = -1;
+    static inline unsigned gm_thread_index(void) {
+        if (gm_thread_no < 0) gm_thread_no = (int)(gm_thread_counter.fetch_add(1) & 0x7fffffff);
+        return (unsigned)gm_thread_no;
+    }
     """
+    unsigned gm_thread_index() nogil
     int gm_clz64(unsigned long long x) nogil
     int gm_ctz64(unsigned long long x) nogil
     void gm_add(atomic[size_t]& c, size_t v) nogil
@@ -189,7 +202,7 @@ cdef gm_block* _new_block(gm_pool* p) noexcept nogil:
                 return NULL
             p.chunks = grown
             p.chunks_cap = p.chunks_cap * 2 + 8
-        chunk = <gm_block*>malloc(sizeof(gm_block) * _BLOCK_CHUNK)
+        chunk = <gm_block*>aligned_alloc(64, sizeof(gm_block) * _BLOCK_CHUNK)
         if chunk == NULL:
             return NULL
         p.chunks[p.nchunks] = chunk
@@ -287,8 +300,8 @@ cdef int _carve(gm_pool* p, gm_block* b, size_t s, size_t requested, uint64_t st
     b.requested = requested
     b.stream = stream
     b.heap_index = -1
-    b.serial = p.stats.next_serial.load(memory_order_relaxed) + 1
-    p.stats.next_serial.store(b.serial, memory_order_relaxed)
+    # an atomic add, not load+store: front caches reserve serials without the pool lock
+    b.serial = p.stats.next_serial.fetch_add(1, memory_order_relaxed) + 1
     b.segment.live_blocks += 1
     gm_add(p.stats.in_use_bytes, b.size)
     gm_add(p.stats.requested_bytes, requested)
@@ -325,7 +338,7 @@ cdef inline void _coalesce_insert(gm_pool* p, gm_block* b, int hi) noexcept nogi
 
 
 # ---------------------------------------------------------------------------------------------
-# the public C API
+# allocation and free with the pool lock held
 cdef size_t gm_round(const gm_pool* p, size_t nbytes) noexcept nogil:
     cdef size_t g = p.cfg.granularity
     if nbytes == 0:
@@ -369,8 +382,125 @@ cdef inline int _free_locked(gm_pool* p, gm_block* b, uint64_t serial) noexcept 
     _coalesce_insert(p, b, hi)
     return GM_OK
 
+# ---------------------------------------------------------------------------------------------
+# front caches (see pool.pxd): a shard's lock is taken before the pool's, never after
+cdef inline gm_shard* _my_shard(gm_pool* p) noexcept nogil:
+    return &p.shards[gm_thread_index() % GM_NSHARDS]
+
+cdef inline void _shard_lock(gm_shard* sh) noexcept nogil:
+    cdef int spins = 0
+    while sh.lock.exchange(1, memory_order_acquire):
+        while sh.lock.load(memory_order_relaxed):
+            spins += 1
+            if spins >= 64:
+                sched_yield()
+                spins = 0
+
+cdef inline void _shard_lock_gil(gm_shard* sh) noexcept:
+    if not sh.lock.exchange(1, memory_order_acquire):
+        return
+    with nogil:
+        _shard_lock(sh)
+
+cdef inline void _shard_unlock(gm_shard* sh) noexcept nogil:
+    sh.lock.store(0, memory_order_release)
+
+cdef inline gm_front_bin* _bin(gm_shard* sh, size_t s, uint64_t stream) noexcept nogil:
+    return &sh.bins[((s >> 9) ^ (s >> 14) ^ stream ^ (stream >> 8)) & (GM_FRONT_BINS - 1)]
+
+cdef inline gm_block* _front_take(gm_pool* p, gm_shard* sh, size_t s, size_t nbytes,
+                                  uint64_t stream) noexcept nogil:
+    """A block of the shard's bin for (stream, s), made live; NULL if the bin has none.
+    Shard lock held (not the pool's: serials are reserved 256 at a time with an atomic add)."""
+    cdef gm_front_bin* bin = _bin(sh, s, stream)
+    cdef gm_block* b
+    cdef uint64_t serial
+    if bin.count == 0 or bin.size != s or bin.stream != stream:
+        return NULL
+    if sh.serial_next == sh.serial_end:
+        serial = p.stats.next_serial.fetch_add(256, memory_order_relaxed)
+        sh.serial_next = serial + 1
+        sh.serial_end = serial + 257
+    bin.count -= 1
+    b = bin.blocks[bin.count]
+    b.serial = sh.serial_next
+    sh.serial_next += 1
+    b.requested = nbytes
+    gm_sub(sh.cached_bytes, b.size)
+    gm_sub(sh.cached_blocks, 1)
+    gm_add(sh.requested_delta, nbytes)
+    gm_add(sh.allocs, 1)
+    return b
+
+cdef inline bint _front_put(gm_pool* p, gm_shard* sh, gm_block* b) noexcept nogil:
+    """Keep the live block b (already validated) in the shard's bins; False when it does not
+    belong there (a large-pool block, a full bin, the shard's byte budget spent)."""
+    cdef size_t s
+    cdef gm_front_bin* bin
+    if not b.segment.is_small or sh.cached_bytes.load(memory_order_relaxed) + b.size > GM_FRONT_BYTES:
+        return False
+    s = gm_round(p, b.requested)
+    bin = _bin(sh, s, b.stream)
+    if bin.count == 0:
+        bin.size = s
+        bin.stream = b.stream
+    elif bin.size != s or bin.stream != b.stream or bin.count == GM_FRONT_DEPTH:
+        return False
+    bin.blocks[bin.count] = b
+    bin.count += 1
+    gm_add(sh.cached_bytes, b.size)
+    gm_add(sh.cached_blocks, 1)
+    gm_sub(sh.requested_delta, b.requested)
+    gm_add(sh.frees, 1)
+    b.serial = 0
+    b.requested = 0
+    return True
+
+cdef void _flush_shard(gm_pool* p, gm_shard* sh) noexcept nogil:
+    """Return every block of the shard's bins to the pool's heaps (both locks held)."""
+    cdef int i, j
+    cdef gm_front_bin* bin
+    cdef gm_block* b
+    for i in range(GM_FRONT_BINS):
+        bin = &sh.bins[i]
+        for j in range(bin.count):
+            b = bin.blocks[j]
+            gm_sub(sh.cached_bytes, b.size)
+            gm_sub(sh.cached_blocks, 1)
+            gm_sub(p.stats.in_use_bytes, b.size)
+            gm_sub(p.stats.active_blocks, 1)
+            b.segment.live_blocks -= 1
+            _coalesce_insert(p, b, 2 * _slot(p, b.stream) + (0 if b.segment.is_small else 1))
+        bin.count = 0
+        bin.size = 0
+
+cdef void _lock_all_gil(gm_pool* p) noexcept:
+    """Every shard's lock, then the pool's (GIL held: never spins with it)."""
+    cdef int i
+    for i in range(GM_NSHARDS):
+        _shard_lock_gil(&p.shards[i])
+    _lock_gil(p)
+
+cdef void _unlock_all(gm_pool* p) noexcept nogil:
+    cdef int i
+    _unlock(p)
+    for i in range(GM_NSHARDS):
+        _shard_unlock(&p.shards[i])
+
+
+# ---------------------------------------------------------------------------------------------
+# the public C API
 cdef int gm_alloc(gm_pool* p, size_t nbytes, uint64_t stream, gm_block** out) noexcept nogil:
+    cdef gm_shard* sh = _my_shard(p)
+    cdef gm_block* b
     cdef int rc
+    _shard_lock(sh)
+    b = _front_take(p, sh, gm_round(p, nbytes), nbytes, stream)
+    if b != NULL:
+        _shard_unlock(sh)
+        out[0] = b
+        return GM_OK
+    _shard_unlock(sh)
     out[0] = NULL
     _lock(p)
     rc = _alloc_locked(p, nbytes, stream, out)
@@ -378,14 +508,34 @@ cdef int gm_alloc(gm_pool* p, size_t nbytes, uint64_t stream, gm_block** out) no
     return rc
 
 cdef int gm_free(gm_pool* p, gm_block* b, uint64_t serial) noexcept nogil:
+    cdef gm_shard* sh
     cdef int rc
+    # a live block's serial, stream, size and segment change only when its owner frees it
+    if serial == 0 or b.serial != serial or b.heap_index != -1:
+        return GM_BAD_BLOCK
+    sh = _my_shard(p)
+    _shard_lock(sh)
+    if _front_put(p, sh, b):
+        _shard_unlock(sh)
+        return GM_OK
+    _shard_unlock(sh)
     _lock(p)
     rc = _free_locked(p, b, serial)
     _unlock(p)
     return rc
 
 cdef int gm_alloc_gil(gm_pool* p, size_t nbytes, uint64_t stream, gm_block** out) noexcept:
+    cdef gm_shard* sh = _my_shard(p)
+    cdef gm_block* b
     cdef int rc
+    if sh.cached_blocks.load(memory_order_relaxed):
+        # this thread's front cache has blocks (nogil gm_free calls put them there): use them
+        _shard_lock_gil(sh)
+        b = _front_take(p, sh, gm_round(p, nbytes), nbytes, stream)
+        _shard_unlock(sh)
+        if b != NULL:
+            out[0] = b
+            return GM_OK
     out[0] = NULL
     _lock_gil(p)
     rc = _alloc_locked(p, nbytes, stream, out)
@@ -438,11 +588,16 @@ cdef gm_segment* _link_new_segment(gm_pool* p, uint64_t handle, size_t base, siz
 
 
 cdef size_t _largest_free(gm_pool* p) noexcept nogil:
-    """The biggest free block (lock held): the highest non-empty class of each heap."""
+    """The biggest free block (all locks held): the highest non-empty class of each heap, and
+    the blocks in front caches."""
     cdef gm_heap* h
     cdef gm_block* b
     cdef size_t best = 0
-    cdef int i, w, c
+    cdef int i, w, c, j
+    for i in range(GM_NSHARDS):
+        for c in range(GM_FRONT_BINS):
+            for j in range(p.shards[i].bins[c].count):
+                best = max(best, p.shards[i].bins[c].blocks[j].size)
     for i in range(p.nheaps):
         h = p.heaps[i]
         if h.top == 0:
@@ -538,8 +693,13 @@ _COUNTER_NAMES = ("reserved_bytes", "in_use_bytes", "requested_bytes", "peak_in_
                   "num_frees", "hits", "misses", "segments_created", "segments_released",
                   "whole_free_bytes")
 
-cdef void _read_counters(gm_stats* st, size_t* v) noexcept nogil:
-    """The counters in _COUNTER_NAMES order."""
+cdef void _read_counters(gm_pool* p, size_t* v) noexcept nogil:
+    """The counters in _COUNTER_NAMES order, front caches folded in: the pool counts a block in
+    a front cache as in use, the user does not. The pool's counters are read before the
+    shards', so a block moving meanwhile can only make in_use look higher, never negative."""
+    cdef gm_stats* st = &p.stats
+    cdef size_t fbytes = 0, fblocks = 0, freq = 0, fallocs = 0, ffrees = 0
+    cdef int i
     v[0] = st.reserved_bytes.load()
     v[1] = st.in_use_bytes.load()
     v[2] = st.requested_bytes.load()
@@ -554,6 +714,18 @@ cdef void _read_counters(gm_stats* st, size_t* v) noexcept nogil:
     v[11] = st.segments_created.load()
     v[12] = st.segments_released.load()
     v[13] = st.whole_free_bytes.load()
+    for i in range(GM_NSHARDS):
+        fbytes += p.shards[i].cached_bytes.load()
+        fblocks += p.shards[i].cached_blocks.load()
+        freq += p.shards[i].requested_delta.load()
+        fallocs += p.shards[i].allocs.load()
+        ffrees += p.shards[i].frees.load()
+    v[1] = v[1] - fbytes if v[1] > fbytes else 0
+    v[2] = v[2] + freq if <long long>(v[2] + freq) > 0 else 0
+    v[5] = v[5] - fblocks if v[5] > fblocks else 0
+    v[7] += fallocs
+    v[8] += ffrees
+    v[9] += fallocs
 
 
 # Findings of check_invariants: a code and up to three numbers each; the text is formatted after
@@ -620,9 +792,12 @@ cdef void _walk_invariants(gm_pool* p, _findings* f) noexcept nogil:
     cdef size_t reserved = 0, in_use = 0, requested = 0, nseg = 0, live = 0, seg_live
     cdef size_t list_free_blocks = 0, free_blocks = 0
     cdef size_t hbytes, hcount, offset, whole_free = 0
-    cdef int i, c
+    cdef size_t fronted = 0, fronted_bytes = 0, binned = 0, binned_bytes = 0
+    cdef size_t v[_NCOUNTERS]
+    cdef int i, c, j
     cdef bint nonempty
     cdef gm_stats* st = &p.stats
+    cdef gm_front_bin* bin
     s = p.segments
     while s != NULL:
         nseg += 1
@@ -643,11 +818,13 @@ cdef void _walk_invariants(gm_pool* p, _findings* f) noexcept nogil:
                 _note(f, 4, s.handle, b.next.offset)
             offset = b.offset + b.size
             if b.heap_index == -1:
-                if b.serial == 0:
-                    _note(f, 5, s.handle, b.offset)
-                seg_live += 1
-                in_use += b.size
-                requested += b.requested
+                seg_live += 1         # live, or in a front cache (serial 0): out of the heaps
+                if b.serial != 0:
+                    in_use += b.size
+                    requested += b.requested
+                else:
+                    fronted += 1
+                    fronted_bytes += b.size
             elif b.heap_index >= 0 and b.heap_index < p.nheaps:
                 free_blocks += 1
                 if b.serial != 0:
@@ -700,20 +877,39 @@ cdef void _walk_invariants(gm_pool* p, _findings* f) noexcept nogil:
         list_free_blocks += hcount
     if list_free_blocks != free_blocks:
         _note(f, 21, free_blocks, list_free_blocks)
-    if st.reserved_bytes.load() != reserved:
-        _note(f, 22, st.reserved_bytes.load(), reserved)
-    if st.in_use_bytes.load() != in_use:
-        _note(f, 23, st.in_use_bytes.load(), in_use)
-    if st.requested_bytes.load() != requested:
-        _note(f, 24, st.requested_bytes.load(), requested)
-    if st.active_blocks.load() != live:
-        _note(f, 25, st.active_blocks.load(), live)
-    if st.num_segments.load() != nseg:
-        _note(f, 26, st.num_segments.load(), nseg)
-    if st.whole_free_bytes.load() != whole_free:
-        _note(f, 27, st.whole_free_bytes.load(), whole_free)
-    if st.num_allocs.load() - st.num_frees.load() != live:
-        _note(f, 28, st.num_allocs.load() - st.num_frees.load(), live)
+    for i in range(GM_NSHARDS):
+        hbytes = 0
+        for c in range(GM_FRONT_BINS):
+            bin = &p.shards[i].bins[c]
+            for j in range(bin.count):
+                b = bin.blocks[j]
+                if (b.heap_index != -1 or b.serial != 0 or b.stream != bin.stream
+                        or b.size < bin.size or not b.segment.is_small):
+                    _note(f, 29, i, c, b.offset)
+                hbytes += b.size
+                binned += 1
+        if hbytes != p.shards[i].cached_bytes.load():
+            _note(f, 30, i, p.shards[i].cached_bytes.load(), hbytes)
+        binned_bytes += hbytes
+    if binned != fronted or binned_bytes != fronted_bytes:
+        _note(f, 31, fronted, binned)
+    _read_counters(p, v)                  # the user's view: front-cached blocks are not in use
+    if v[0] != reserved:
+        _note(f, 22, v[0], reserved)
+    if v[1] != in_use:
+        _note(f, 23, v[1], in_use)
+    if v[2] != requested:
+        _note(f, 24, v[2], requested)
+    if v[5] != live - fronted:
+        _note(f, 25, v[5], live - fronted)
+    if v[6] != nseg:
+        _note(f, 26, v[6], nseg)
+    if v[13] != whole_free:
+        _note(f, 27, v[13], whole_free)
+    if v[7] - v[8] != live - fronted:
+        _note(f, 28, v[7] - v[8], live - fronted)
+    if st.in_use_bytes.load() != in_use + binned_bytes:
+        _note(f, 32, st.in_use_bytes.load(), in_use + binned_bytes)
 
 
 cdef inline size_t _round_up(size_t n, size_t to) noexcept nogil:
@@ -755,6 +951,10 @@ cdef class CachingPool:
         self._p.last_slot = -1
         if _register_stream(self._p, 0) < 0:
             raise MemoryError("cannot allocate the default stream's heaps")
+        self._p.shards = <gm_shard*>aligned_alloc(64, sizeof(gm_shard) * GM_NSHARDS)
+        if self._p.shards == NULL:
+            raise MemoryError("cannot allocate the front caches")
+        memset(self._p.shards, 0, sizeof(gm_shard) * GM_NSHARDS)
 
     def __dealloc__(self):
         cdef gm_segment* s
@@ -773,6 +973,7 @@ cdef class CachingPool:
         for i in range(self._p.nheaps):
             free(self._p.heaps[i])
         free(self._p.heaps)
+        free(self._p.shards)
         free(self._p)
         self._p = NULL
 
@@ -933,7 +1134,10 @@ cdef class CachingPool:
         cdef gm_segment* best
         cdef size_t released = 0, n = 0
         cdef _segdesc* out
-        _lock_gil(p)
+        cdef int i
+        _lock_all_gil(p)
+        for i in range(GM_NSHARDS):       # what the front caches hold can be released too
+            _flush_shard(p, &p.shards[i])
         out = <_segdesc*>malloc(sizeof(_segdesc) * (_count_free_segments(p) + 1))
         while out != NULL and released < max_bytes:
             best = NULL
@@ -948,7 +1152,7 @@ cdef class CachingPool:
             released += best.size
             _detach_segment(p, best, &out[n])
             n += 1
-        _unlock(p)
+        _unlock_all(p)
         if out == NULL:
             raise MemoryError("cannot list the segments to release")
         try:
@@ -968,7 +1172,9 @@ cdef class CachingPool:
         cdef int c
         if seen == NULL:
             raise MemoryError("cannot count the segments per class")
-        _lock_gil(p)
+        _lock_all_gil(p)
+        for c in range(GM_NSHARDS):
+            _flush_shard(p, &p.shards[c])
         out = <_segdesc*>malloc(sizeof(_segdesc) * (_count_free_segments(p) + 1))
         s = p.segments if out != NULL else NULL       # newest first
         while s != NULL:
@@ -980,7 +1186,7 @@ cdef class CachingPool:
                     _detach_segment(p, s, &out[n])
                     n += 1
             s = nxt
-        _unlock(p)
+        _unlock_all(p)
         free(seen)
         if out == NULL:
             raise MemoryError("cannot list the segments to release")
@@ -988,6 +1194,19 @@ cdef class CachingPool:
             return _desc_list(out, n)
         finally:
             free(out)
+
+    def flush_front_caches(self) -> int:
+        """Return the blocks of every thread's front cache to the pool (merging them with
+        their neighbours); the bytes returned. release_free_segments does this first."""
+        cdef gm_pool* p = self._p
+        cdef size_t before = 0
+        cdef int i
+        _lock_all_gil(p)
+        for i in range(GM_NSHARDS):
+            before += p.shards[i].cached_bytes.load()
+            _flush_shard(p, &p.shards[i])
+        _unlock_all(p)
+        return before
 
     def restore_segment(self, uint64_t handle, size_t base, size_t size, bint is_small,
                         uint64_t stream) -> None:
@@ -1027,19 +1246,21 @@ cdef class CachingPool:
 
     # --- statistics ---------------------------------------------------------------------------
     def counters(self, bint consistent=False) -> dict:
-        """Every counter. By default read without the lock (each value exact, the set not one
-        moment); with consistent=True copied under the lock, one moment, together with
+        """Every counter, as the user sees them (blocks in front caches are cached, not in use;
+        ``peak_in_use_bytes`` counts them as in use, so it may exceed the true peak by at most
+        what the front caches hold). By default read without the locks (each value exact
+        unless a block moves between a front cache and the pool meanwhile, the set not one
+        moment); with consistent=True copied under the locks, one moment, together with
         ``largest_free_block``."""
-        cdef gm_stats* st = &self._p.stats
         cdef size_t v[_NCOUNTERS]
         cdef size_t largest = 0
         if consistent:
-            _lock_gil(self._p)
-            _read_counters(st, v)
+            _lock_all_gil(self._p)
+            _read_counters(self._p, v)
             largest = _largest_free(self._p)
-            _unlock(self._p)
+            _unlock_all(self._p)
         else:
-            _read_counters(st, v)
+            _read_counters(self._p, v)
         out = {name: v[i] for i, name in enumerate(_COUNTER_NAMES)}
         if consistent:
             out["largest_free_block"] = largest
@@ -1056,7 +1277,10 @@ cdef class CachingPool:
 
     @property
     def in_use_bytes(self) -> int:
-        return self._p.stats.in_use_bytes.load()
+        """Bytes in live blocks (not counting blocks kept in front caches)."""
+        cdef size_t v[_NCOUNTERS]
+        _read_counters(self._p, v)
+        return v[1]
 
     @property
     def peak_reserved_bytes(self) -> int:
@@ -1071,23 +1295,24 @@ cdef class CachingPool:
     def largest_free_block(self) -> int:
         """Size of the biggest cached free block (0 if none); shows fragmentation."""
         cdef size_t best
-        _lock_gil(self._p)
+        _lock_all_gil(self._p)
         best = _largest_free(self._p)
-        _unlock(self._p)
+        _unlock_all(self._p)
         return best
 
     # --- introspection ------------------------------------------------------------------------
     def segments(self) -> list:
-        """Every segment with its blocks in address order, as plain dicts (for snapshots)."""
+        """Every segment with its blocks in address order, as plain dicts (for snapshots). A
+        block kept in a front cache is "free" (cached), though not merged with its neighbours."""
         cdef gm_pool* p = self._p
         cdef gm_segment* s
         cdef gm_block* b
         cdef _segrow* segs = NULL
         cdef _blockrow* blocks = NULL
         cdef size_t nseg = 0, nblk = 0, i, j = 0, k
-        _lock_gil(p)
+        _lock_all_gil(p)
         s = p.segments
-        while s != NULL:                  # count, then copy: all in C, under the lock
+        while s != NULL:                  # count, then copy: all in C, under the locks
             nseg += 1
             b = s.first
             while b != NULL:
@@ -1111,7 +1336,7 @@ cdef class CachingPool:
                     blocks[j].offset = b.offset
                     blocks[j].size = b.size
                     blocks[j].requested = b.requested
-                    blocks[j].allocated = b.heap_index == -1
+                    blocks[j].allocated = b.heap_index == -1 and b.serial != 0
                     blocks[j].stream = b.stream
                     blocks[j].serial = b.serial
                     j += 1
@@ -1119,7 +1344,7 @@ cdef class CachingPool:
                 segs[i].nblocks = j - segs[i].first_row
                 i += 1
                 s = s.next
-        _unlock(p)
+        _unlock_all(p)
         try:
             if segs == NULL or blocks == NULL:
                 raise MemoryError("cannot copy the segment table")
@@ -1151,9 +1376,9 @@ cdef class CachingPool:
         cdef size_t i
         f.n = 0
         f.total = 0
-        _lock_gil(self._p)
+        _lock_all_gil(self._p)
         _walk_invariants(self._p, &f)
-        _unlock(self._p)
+        _unlock_all(self._p)
         if f.total:
             errors = [_FINDINGS[f.items[i].code].format(f.items[i].a, f.items[i].b,
                                                         f.items[i].c)
