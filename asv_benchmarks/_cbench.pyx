@@ -59,6 +59,12 @@ cdef inline long long _now_ns() noexcept nogil:
     return <long long>ts.tv_sec * 1000000000LL + ts.tv_nsec
 
 
+cdef inline long long _cpu_ns() noexcept nogil:
+    cdef timespec ts
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts)
+    return <long long>ts.tv_sec * 1000000000LL + ts.tv_nsec
+
+
 cdef inline uint64_t _xorshift(uint64_t* s) noexcept nogil:
     cdef uint64_t x = s[0]
     x ^= x >> 12
@@ -85,8 +91,9 @@ def clock_overhead_ns(size_t n=100000):
     return (t1 - t0) / <double>n
 
 
-def hit_pair_ns(CachingPool pool not None, sizes, size_t n, uint64_t stream=0):
-    """ns per gm_alloc+gm_free pair: n pairs in a nogil loop, request sizes cycling over `sizes`.
+def hit_pair_ns(CachingPool pool not None, sizes, size_t n, uint64_t stream=0, bint cpu=False):
+    """ns per gm_alloc+gm_free pair: n pairs in a nogil loop, request sizes cycling over `sizes`
+    (wall time, or with cpu=True the thread's CPU time: steadier on a loaded machine).
 
     Raises RuntimeError if any alloc misses (the pool must already hold fitting free blocks) or
     any free fails."""
@@ -105,7 +112,7 @@ def hit_pair_ns(CachingPool pool not None, sizes, size_t n, uint64_t stream=0):
         for i in range(k):
             sz[i] = sizes[i]
         with nogil:
-            t0 = _now_ns()
+            t0 = _cpu_ns() if cpu else _now_ns()
             for i in range(n):
                 rc = gm_alloc(p, sz[j], stream, &b)
                 if rc != GM_OK:
@@ -118,7 +125,7 @@ def hit_pair_ns(CachingPool pool not None, sizes, size_t n, uint64_t stream=0):
                 j += 1
                 if j == k:
                     j = 0
-            t1 = _now_ns()
+            t1 = _cpu_ns() if cpu else _now_ns()
         if failed_at != <size_t>-1:
             raise RuntimeError(f"pair {failed_at} (size {sz[j]}) failed with code {rc}: the pool "
                                f"must hold a fitting free block for every size")
@@ -137,12 +144,6 @@ ctypedef struct _worker:
     long long t0, t1
     long long cpu0, cpu1
     size_t failed
-
-
-cdef inline long long _cpu_ns() noexcept nogil:
-    cdef timespec ts
-    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts)
-    return <long long>ts.tv_sec * 1000000000LL + ts.tv_nsec
 
 
 cdef void _pairs_worker(void* arg) noexcept nogil:
@@ -310,5 +311,5 @@ cdef class BlockPool:
     def live_blocks(self):
         return self.pool._p.stats.active_blocks.load()
 
-    def hit_pair_ns(self, sizes, size_t n):
-        return hit_pair_ns(self.pool, sizes, n)
+    def hit_pair_ns(self, sizes, size_t n, bint cpu=False):
+        return hit_pair_ns(self.pool, sizes, n, 0, cpu)

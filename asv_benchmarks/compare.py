@@ -174,8 +174,10 @@ class Peer:
 
 
 class GpumemPeer(Peer):
-    def __init__(self, device: str, name: str = "gpumem", native: bool = False, config=None):
+    def __init__(self, device: str, name: str = "gpumem", native: bool = False, config=None,
+                 history: bool = True):
         self.device, self.name, self.native, self.config = device, name, native, config
+        self.history = history            # the pool's always-on C history (False: turned off)
 
     def open(self):
         from gpumem import MemoryManager
@@ -187,6 +189,8 @@ class GpumemPeer(Peer):
     def make(self) -> Inst:
         from gpumem import MemoryManager
         mm = MemoryManager(self.device, self.config)
+        if not self.history:
+            mm.pool.set_history(0)
         self.last = mm
         if self.native:
             malloc = mm.malloc
@@ -680,7 +684,9 @@ def run_sim(timer: Timer, args) -> dict:
     # --- Python level ------------------------------------------------------------------------
     from gpumem import MemoryConfig
     dev = sim_device_string()
-    peers = [GpumemPeer(dev, config=MemoryConfig(track_allocations=False))]
+    peers = [GpumemPeer(dev, config=MemoryConfig(track_allocations=False)),
+             GpumemPeer(dev, name="gpumem, history off",
+                        config=MemoryConfig(track_allocations=False), history=False)]
     track = GpumemPeer(dev, name="gpumem tracking on",
                        config=MemoryConfig(track_allocations=True))
     try:
@@ -692,6 +698,8 @@ def run_sim(timer: Timer, args) -> dict:
     bench_mixed(timer, peers, live=args.live or 10_000)
     if not args.no_traces:
         bench_traces(timer, peers[:1], budget=None)
+    NOTES.append("'gpumem' rows record the pool's always-on C history (100,000 events); "
+                 "'gpumem, history off' is the same pool with pool.set_history(0)")
     return summary
 
 

@@ -55,6 +55,8 @@ _LAZY = {
     "AllocationTracker": ("gpumem.tracking", "AllocationTracker"),
     "BufferMetadata": ("gpumem.tracking", "BufferMetadata"),
     "HistoryRecorder": ("gpumem.history", "HistoryRecorder"),
+    "dump_on_oom": ("gpumem.history", "dump_on_oom"),
+    "pool_trace": ("gpumem.history", "pool_trace"),
 }
 
 

@@ -376,6 +376,8 @@ class MemoryManager(ManagerCore):
                                in_use=in_use, cached=reserved - in_use, limit=self.usable_memory,
                                largest_free_block=self.pool.largest_free_block(), reason=reason)
         log.warning("%s", err)
+        from gpumem.history import on_oom
+        on_oom(self, err)                     # err.history; the dump of GPUMEM_DUMP_ON_OOM
         return err
 
     def on_oom(self, callback: OomCallback) -> OomCallback:

@@ -83,6 +83,19 @@ ctypedef struct gm_stats:
     atomic[size_t] whole_free_bytes  # in segments that are one free block (releasable at once)
     atomic[uint64_t] next_serial
 
+# History: alloc/free events in C rings (one per pool, written under the pool lock, and one per
+# front cache, written under its lock); the newest `capacity` events of each are kept.
+ctypedef struct gm_event:            # 32 bytes: two per cache line
+    uint64_t t_ns                    # CLOCK_MONOTONIC_COARSE (a few ms resolution; cheap)
+    uint64_t id                      # the block's serial (the buffer id)
+    uint64_t size_op                 # bytes requested, | 1 << 63 for a free
+    uint64_t stream
+
+ctypedef struct gm_ring:
+    gm_event* events                 # NULL: not recording
+    size_t capacity                  # a power of two
+    size_t count                     # events written (those before count - capacity are gone)
+
 # Front caches: blocks freed through gm_free by nogil callers are kept, still carved, in a small
 # cache of the freeing thread and handed back by its next gm_alloc of the same (stream, size)
 # without the pool lock. Threads are spread round-robin over GM_NSHARDS caches; each has its own
@@ -110,6 +123,7 @@ ctypedef struct gm_shard:
     atomic[size_t] requested_delta   # add to the pool's requested_bytes (mod 2**64)
     atomic[size_t] allocs            # front hits (also counted as hits)
     atomic[size_t] frees             # frees into the bins
+    gm_ring history
     char _pad[64]
 
 ctypedef struct gm_pool:
@@ -125,6 +139,8 @@ ctypedef struct gm_pool:
     int nchunks
     int chunks_cap
     gm_shard* shards                 # GM_NSHARDS front caches, 64-aligned
+    gm_ring history                  # events of the pool path (under the pool lock)
+    atomic[size_t] history_capacity  # events kept per ring; 0: history off
 
 # --- the C API (each takes the pool's lock itself) --------------------------------------------
 # gm_alloc/gm_free: for callers without the GIL. gm_alloc_gil/gm_free_gil: the same for callers

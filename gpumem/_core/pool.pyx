@@ -23,11 +23,24 @@ The lock (one owner: the pool; it guards every C structure of the pool and nothi
 - A caller that holds the GIL never spins on the lock: it tries it once and otherwise releases
   the GIL while it waits (``_lock_gil``; CuPy's idiom). ``gm_alloc_gil``/``gm_free_gil`` are
   the GIL-holding variants of ``gm_alloc``/``gm_free``; nogil callers use the plain ones.
+
+Front caches (threads that scale, see pool.pxd): ``gm_free`` keeps a small-pool block, still
+carved, in the calling thread's front cache (one of GM_NSHARDS, given out round-robin), and
+``gm_alloc`` of the same (stream, rounded size) takes it back without the pool lock. Each front
+cache has its own lock (taken before the pool lock, never after) and its own counters, one cache
+line away from the others. The pool counts a front-cached block as in use; ``counters()``,
+``in_use_bytes``, ``segments()``, ``largest_free_block()`` and ``check_invariants()`` fold the
+front caches in, and ``release_free_segments()``/``excess_free_segments()`` (empty_cache, the OOM
+ladder, trimming) flush them first. The GIL-holding path takes from its thread's front cache
+but always frees to the pool, so Python-only use never fills one.
+
+History: alloc/free events go to C rings (gm_ring), the pool's under the pool lock and each front
+cache's under its own lock; ``history()`` copies them out under all locks and merges by time.
 """
 cimport cython
 from libc.stdint cimport uint64_t, int64_t, SIZE_MAX
 from libc.stdlib cimport malloc, calloc, free, realloc
-from libc.string cimport memset
+from libc.string cimport memset, memcpy
 
 cdef extern from "<stdlib.h>" nogil:
     void* aligned_alloc(size_t alignment, size_t size)
@@ -36,6 +49,7 @@ from libcpp.atomic cimport atomic, memory_order_relaxed, memory_order_acquire, m
 cdef extern from *:
     """
     #include <sched.h>
+    #include <time.h>
     #include <atomic>
     static inline int gm_clz64(unsigned long long x) { return __builtin_clzll(x); }
     static inline int gm_ctz64(unsigned long long x) { return __builtin_ctzll(x); }
@@ -48,6 +62,11 @@ cdef extern from *:
     template <typename A, typename V> static inline void gm_max(A &c, V v) {
         if (c.load(std::memory_order_relaxed) < v) c.store(v, std::memory_order_relaxed);
     }
+    static inline unsigned long long gm_coarse_ns(void) {
+        struct timespec ts;
+        clock_gettime(CLOCK_MONOTONIC_COARSE, &ts);
+        return (unsigned long long)ts.tv_sec * 1000000000ULL + (unsigned long long)ts.tv_nsec;
+    }
     // A small number per thread, handed out round-robin on the thread's first call: it picks
     // the thread's front cache, so the first GM_NSHARDS threads never share one.
     static std::atomic<unsigned> gm_thread_counter{0};
@@ -58,6 +77,7 @@ cdef extern from *:
     }
     """
     unsigned gm_thread_index() nogil
+    unsigned long long gm_coarse_ns() nogil
     int gm_clz64(unsigned long long x) nogil
     int gm_ctz64(unsigned long long x) nogil
     void gm_add(atomic[size_t]& c, size_t v) nogil
@@ -91,6 +111,33 @@ cdef inline void _lock_gil(gm_pool* p) noexcept:
         return
     with nogil:
         _lock(p)
+
+
+# ---------------------------------------------------------------------------------------------
+# history rings (gm_ring in pool.pxd): each is written under one lock, the one that guards it
+cdef inline void _record(gm_ring* r, uint64_t op, uint64_t id, size_t size,
+                         uint64_t stream) noexcept nogil:
+    cdef gm_event* e
+    if r.events == NULL:
+        return
+    e = &r.events[r.count & (r.capacity - 1)]
+    e.t_ns = gm_coarse_ns()
+    e.id = id
+    e.size_op = size | (op << 63)
+    e.stream = stream
+    r.count += 1
+
+cdef inline void _ring_init(gm_ring* r, size_t capacity) noexcept nogil:
+    """Start recording into r with room for `capacity` events (a power of two; 0: off). The
+    caller holds r's lock. Stays off when host memory runs out."""
+    free(r.events)
+    r.events = NULL
+    r.count = 0
+    r.capacity = capacity
+    if capacity:
+        r.events = <gm_event*>malloc(sizeof(gm_event) * capacity)
+        if r.events == NULL:
+            r.capacity = 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -302,6 +349,7 @@ cdef int _carve(gm_pool* p, gm_block* b, size_t s, size_t requested, uint64_t st
     b.heap_index = -1
     # an atomic add, not load+store: front caches reserve serials without the pool lock
     b.serial = p.stats.next_serial.fetch_add(1, memory_order_relaxed) + 1
+    _record(&p.history, 0, b.serial, requested, stream)
     b.segment.live_blocks += 1
     gm_add(p.stats.in_use_bytes, b.size)
     gm_add(p.stats.requested_bytes, requested)
@@ -376,6 +424,7 @@ cdef inline int _free_locked(gm_pool* p, gm_block* b, uint64_t serial) noexcept 
     gm_sub(p.stats.requested_bytes, b.requested)
     gm_sub(p.stats.active_blocks, 1)
     gm_add(p.stats.num_frees, 1)
+    _record(&p.history, 1, serial, b.requested, b.stream)
     b.serial = 0
     b.requested = 0
     b.segment.live_blocks -= 1
@@ -426,6 +475,9 @@ cdef inline gm_block* _front_take(gm_pool* p, gm_shard* sh, size_t s, size_t nby
     b.serial = sh.serial_next
     sh.serial_next += 1
     b.requested = nbytes
+    if sh.history.events == NULL and p.history_capacity.load(memory_order_relaxed):
+        _ring_init(&sh.history, p.history_capacity.load(memory_order_relaxed))
+    _record(&sh.history, 0, b.serial, nbytes, stream)
     gm_sub(sh.cached_bytes, b.size)
     gm_sub(sh.cached_blocks, 1)
     gm_add(sh.requested_delta, nbytes)
@@ -448,6 +500,9 @@ cdef inline bint _front_put(gm_pool* p, gm_shard* sh, gm_block* b) noexcept nogi
         return False
     bin.blocks[bin.count] = b
     bin.count += 1
+    if sh.history.events == NULL and p.history_capacity.load(memory_order_relaxed):
+        _ring_init(&sh.history, p.history_capacity.load(memory_order_relaxed))
+    _record(&sh.history, 1, b.serial, b.requested, b.stream)
     gm_add(sh.cached_bytes, b.size)
     gm_add(sh.cached_blocks, 1)
     gm_sub(sh.requested_delta, b.requested)
@@ -916,6 +971,46 @@ cdef inline size_t _round_up(size_t n, size_t to) noexcept nogil:
     return ((n + to - 1) // to) * to
 
 
+_MAX_HISTORY = 1 << 30          # events per ring (32 GiB): a bound against typos, not a budget
+
+
+def _event_dtype():
+    import numpy as np
+    return np.dtype([("t_ns", "<u8"), ("id", "<u8"), ("size_op", "<u8"), ("stream", "<u8")])
+
+
+def _allocs_before_frees(ops, ids):
+    """An order (index array) of the events with each free after its allocation. Events of two
+    rings with the same coarse time can sort a free before its allocation (a block allocated
+    on one thread and freed on another within one clock tick): such a free moves to just after
+    its allocation. Rare, so done in Python."""
+    import numpy as np
+    n = len(ops)
+    allocs = np.flatnonzero(ops == 0)
+    frees = np.flatnonzero(ops == 1)
+    if len(allocs) == 0 or len(frees) == 0:
+        return np.arange(n)
+    by_id = np.argsort(ids[allocs], kind="stable")
+    ids_sorted = ids[allocs][by_id]
+    where = np.minimum(np.searchsorted(ids_sorted, ids[frees]), len(ids_sorted) - 1)
+    matched = ids_sorted[where] == ids[frees]
+    alloc_pos = np.where(matched, allocs[by_id][where], -1)
+    late = frees[alloc_pos > frees]
+    if len(late) == 0:
+        return np.arange(n)
+    fix = dict(zip(frees.tolist(), alloc_pos.tolist()))
+    moved = set(late.tolist())
+    after: dict = {}
+    for f in late.tolist():
+        after.setdefault(fix[f], []).append(f)
+    out = []
+    for i in range(n):
+        if i not in moved:
+            out.append(i)
+            out.extend(after.get(i, ()))
+    return np.asarray(out, dtype=np.int64)
+
+
 @cython.final
 cdef class CachingPool:
     """Segments and blocks of one device, without the device: the manager feeds it segments.
@@ -928,7 +1023,7 @@ cdef class CachingPool:
                   size_t small_segment=2 << 20, size_t large_segment=20 << 20,
                   size_t large_threshold=10 << 20, size_t large_round=2 << 20,
                   max_split_size=None, size_t large_split_min=1 << 20,
-                  size_t oversize_slack=20 << 20):
+                  size_t oversize_slack=20 << 20, history_events=100_000):
         if granularity == 0 or granularity & (granularity - 1):
             raise ValueError(f"granularity must be a power of two, got {granularity}")
         if small_size > small_segment:
@@ -955,6 +1050,7 @@ cdef class CachingPool:
         if self._p.shards == NULL:
             raise MemoryError("cannot allocate the front caches")
         memset(self._p.shards, 0, sizeof(gm_shard) * GM_NSHARDS)
+        self.set_history(history_events)
 
     def __dealloc__(self):
         cdef gm_segment* s
@@ -973,6 +1069,10 @@ cdef class CachingPool:
         for i in range(self._p.nheaps):
             free(self._p.heaps[i])
         free(self._p.heaps)
+        free(self._p.history.events)
+        if self._p.shards != NULL:
+            for i in range(GM_NSHARDS):
+                free(self._p.shards[i].history.events)
         free(self._p.shards)
         free(self._p)
         self._p = NULL
@@ -1299,6 +1399,88 @@ cdef class CachingPool:
         best = _largest_free(self._p)
         _unlock_all(self._p)
         return best
+
+    # --- history ------------------------------------------------------------------------------
+    def set_history(self, events) -> None:
+        """Keep the newest `events` alloc/free events (at least; rounded up to a power of two)
+        in C rings; 0 turns recording off. Forgets what was recorded."""
+        cdef gm_pool* p = self._p
+        cdef size_t cap = 0
+        cdef int i
+        if (isinstance(events, bool) or not isinstance(events, int)
+                or not 0 <= events <= _MAX_HISTORY):
+            from gpumem.errors import InvalidInputError
+            raise InvalidInputError(f"history_events must be an int in [0, {_MAX_HISTORY}], "
+                                    f"got {events!r}")
+        if events:
+            cap = 1
+            while cap < events:
+                cap <<= 1
+        _lock_all_gil(p)
+        p.history_capacity.store(cap)
+        _ring_init(&p.history, cap)
+        for i in range(GM_NSHARDS):
+            _ring_init(&p.shards[i].history, 0)     # front caches start theirs when used
+        failed = cap != 0 and p.history.events == NULL
+        _unlock_all(p)
+        if failed:
+            raise MemoryError(f"cannot allocate a history of {cap} events")
+
+    @property
+    def history_capacity(self) -> int:
+        """Events kept per ring (0: history off)."""
+        return self._p.history_capacity.load()
+
+    def history(self, last=None) -> dict:
+        """The recorded events, oldest first, as numpy arrays ``t_ns`` (CLOCK_MONOTONIC_COARSE
+        nanoseconds), ``op`` (0 alloc, 1 free), ``id``, ``size`` (bytes requested), ``stream``;
+        only the newest `last` if given. Events of different threads are ordered by time, each
+        free after its allocation."""
+        import numpy as np
+        cdef gm_pool* p = self._p
+        cdef gm_ring* rings[GM_NSHARDS + 1]
+        cdef size_t counts[GM_NSHARDS + 1]
+        cdef size_t total = 0, k, j, start, n
+        cdef gm_event* buf
+        cdef unsigned char[::1] dst
+        cdef int i
+        rings[0] = &p.history
+        for i in range(GM_NSHARDS):
+            rings[i + 1] = &p.shards[i].history
+        _lock_all_gil(p)
+        for i in range(GM_NSHARDS + 1):
+            counts[i] = min(rings[i].count, rings[i].capacity) if rings[i].events != NULL else 0
+            total += counts[i]
+        buf = <gm_event*>malloc(sizeof(gm_event) * (total + 1))
+        if buf != NULL:
+            k = 0
+            for i in range(GM_NSHARDS + 1):
+                n = counts[i]
+                start = rings[i].count - n
+                for j in range(n):
+                    buf[k] = rings[i].events[(start + j) & (rings[i].capacity - 1)]
+                    k += 1
+        _unlock_all(p)
+        if buf == NULL:
+            raise MemoryError("cannot copy the history")
+        try:
+            raw = np.empty(total, dtype=_event_dtype())
+            if total:
+                dst = raw.view(np.uint8)
+                memcpy(&dst[0], buf, sizeof(gm_event) * total)
+        finally:
+            free(buf)
+        ring = np.repeat(np.arange(GM_NSHARDS + 1), [counts[i] for i in range(GM_NSHARDS + 1)])
+        order = np.lexsort((np.arange(total), ring, raw["t_ns"]))   # by time, then ring order
+        raw = raw[order]
+        ops = (raw["size_op"] >> np.uint64(63)).astype(np.uint8)
+        sizes = (raw["size_op"] & np.uint64((1 << 63) - 1)).astype(np.int64)
+        keep = _allocs_before_frees(ops, raw["id"])
+        if last is not None:
+            keep = keep[max(0, len(keep) - int(last)):]
+        return {"t_ns": raw["t_ns"][keep].astype(np.int64), "op": ops[keep],
+                "id": raw["id"][keep].astype(np.int64), "size": sizes[keep],
+                "stream": raw["stream"][keep]}
 
     # --- introspection ------------------------------------------------------------------------
     def segments(self) -> list:
