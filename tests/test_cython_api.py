@@ -301,5 +301,15 @@ def test_threads_on_two_streams_with_concurrent_flushes(downstream, manager):
         t.join()
     assert not errors and results == [n] * 4
     check(manager, [])
+    # the always-on history has every event of the four threads (their front caches' rings)
+    # and of the Python side (the pool's ring), each free after its allocation
+    h = manager.pool.history()
+    assert int((h["op"] == 0).sum()) == int((h["op"] == 1).sum()) == 4 * n + len(held)
+    first_seen = {}
+    for i, (op, bid) in enumerate(zip(h["op"].tolist(), h["id"].tolist())):
+        if op == 0:
+            first_seen[bid] = i
+        else:
+            assert first_seen.get(bid, len(h["op"])) < i, f"free of {bid} before its alloc"
     manager.empty_cache()
     assert manager.pool.reserved_bytes == 0 and manager.device.live_bytes == 0
