@@ -24,7 +24,7 @@ The lock (one owner: the pool; it guards every C structure of the pool and nothi
   the GIL while it waits (``_lock_gil``; CuPy's idiom). ``gm_alloc_gil``/``gm_free_gil`` are
   the GIL-holding variants of ``gm_alloc``/``gm_free``; nogil callers use the plain ones.
 
-Front caches (threads that scale, see pool.pxd): ``gm_free`` keeps a small-pool block, still
+Front caches (threads that scale, see pool.pxd): ``gm_free`` keeps a block (up to 4 MiB), still
 carved, in the calling thread's front cache (one of GM_NSHARDS, given out round-robin), and
 ``gm_alloc`` of the same (stream, rounded size) takes it back without the pool lock. Each front
 cache has its own lock (taken before the pool lock, never after) and its own counters, one cache
@@ -486,10 +486,11 @@ cdef inline gm_block* _front_take(gm_pool* p, gm_shard* sh, size_t s, size_t nby
 
 cdef inline bint _front_put(gm_pool* p, gm_shard* sh, gm_block* b) noexcept nogil:
     """Keep the live block b (already validated) in the shard's bins; False when it does not
-    belong there (a large-pool block, a full bin, the shard's byte budget spent)."""
+    belong there (a full bin, or the shard's byte budget spent: that also bounds the size of a
+    block a front cache can hold)."""
     cdef size_t s
     cdef gm_front_bin* bin
-    if not b.segment.is_small or sh.cached_bytes.load(memory_order_relaxed) + b.size > GM_FRONT_BYTES:
+    if sh.cached_bytes.load(memory_order_relaxed) + b.size > GM_FRONT_BYTES:
         return False
     s = gm_round(p, b.requested)
     bin = _bin(sh, s, b.stream)
@@ -939,7 +940,7 @@ cdef void _walk_invariants(gm_pool* p, _findings* f) noexcept nogil:
             for j in range(bin.count):
                 b = bin.blocks[j]
                 if (b.heap_index != -1 or b.serial != 0 or b.stream != bin.stream
-                        or b.size < bin.size or not b.segment.is_small):
+                        or b.size < bin.size):
                     _note(f, 29, i, c, b.offset)
                 hbytes += b.size
                 binned += 1
