@@ -166,3 +166,28 @@ class ThreadScaling:
         return statistics.median(r[case]) / statistics.median(r["1 thread"])
 
     track_speedup_over_1_thread.unit = "ratio"
+
+
+class HistoryCost:
+    """The always-on C history: C-level hit pair with it on (the default) over the same pair
+    with pool.set_history(0), interleaved in one run. Target <= 1.1."""
+
+    params = [[4 * KiB, 4 * MiB]]
+    param_names = ["nbytes"]
+
+    def setup(self, nbytes):
+        cb = load_cbench()
+        self.on, self.off = cb.BlockPool(), cb.BlockPool()
+        self.off.pool.set_history(0)
+        for bp in (self.on, self.off):
+            bp.ensure_hits([nbytes])
+            bp.hit_pair_ns([nbytes], 10_000)
+
+    def track_ratio_on_over_off(self, nbytes):
+        on, off = [], []
+        for _ in range(REPEATS):
+            on.append(self.on.hit_pair_ns([nbytes], PAIRS, True))
+            off.append(self.off.hit_pair_ns([nbytes], PAIRS, True))
+        return statistics.median(on) / statistics.median(off)
+
+    track_ratio_on_over_off.unit = "ratio"
