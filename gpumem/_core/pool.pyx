@@ -70,7 +70,10 @@ cdef extern from *:
     // A small number per thread, handed out round-robin on the thread's first call: it picks
     // the thread's front cache, so the first GM_NSHARDS threads never share one.
     static std::atomic<unsigned> gm_thread_counter{0};
-    static thread_local int gm_thread_no = -1;
+    // initial-exec: a plain %fs-relative load instead of a __tls_get_addr call on every
+    // gm_alloc/gm_free (about 2 ns each here); 4 bytes of the static TLS surplus that glibc
+    // keeps for dlopen'ed modules (jemalloc and tcmalloc do the same)
+    static thread_local int gm_thread_no __attribute__((tls_model("initial-exec"))) = -1;
     static inline unsigned gm_thread_index(void) {
         if (gm_thread_no < 0) gm_thread_no = (int)(gm_thread_counter.fetch_add(1) & 0x7fffffff);
         return (unsigned)gm_thread_no;
