@@ -350,8 +350,8 @@ cdef int _carve(gm_pool* p, gm_block* b, size_t s, size_t requested, uint64_t st
     b.requested = requested
     b.stream = stream
     b.heap_index = -1
-    # an atomic add, not load+store: front caches reserve serials without the pool lock
-    b.serial = p.stats.next_serial.fetch_add(1, memory_order_relaxed) + 1
+    b.serial = p.stats.next_serial.load(memory_order_relaxed) + 1
+    p.stats.next_serial.store(b.serial, memory_order_relaxed)
     _record(&p.history, 0, b.serial, requested, stream)
     b.segment.live_blocks += 1
     gm_add(p.stats.in_use_bytes, b.size)
@@ -462,17 +462,14 @@ cdef inline gm_front_bin* _bin(gm_shard* sh, size_t s, uint64_t stream) noexcept
 
 cdef inline gm_block* _front_take(gm_pool* p, gm_shard* sh, size_t s, size_t nbytes,
                                   uint64_t stream) noexcept nogil:
-    """A block of the shard's bin for (stream, s), made live; NULL if the bin has none.
-    Shard lock held (not the pool's: serials are reserved 256 at a time with an atomic add)."""
+    """A block of the shard's bin for (stream, s), made live; NULL if the bin has none or the
+    shard's serials are used up (the caller's pool path then tops them up). Shard lock held,
+    not the pool's."""
     cdef gm_front_bin* bin = _bin(sh, s, stream)
     cdef gm_block* b
-    cdef uint64_t serial
-    if bin.count == 0 or bin.size != s or bin.stream != stream:
+    if (bin.count == 0 or bin.size != s or bin.stream != stream
+            or sh.serial_next == sh.serial_end):
         return NULL
-    if sh.serial_next == sh.serial_end:
-        serial = p.stats.next_serial.fetch_add(256, memory_order_relaxed)
-        sh.serial_next = serial + 1
-        sh.serial_end = serial + 257
     bin.count -= 1
     b = bin.blocks[bin.count]
     b.serial = sh.serial_next
@@ -486,6 +483,29 @@ cdef inline gm_block* _front_take(gm_pool* p, gm_shard* sh, size_t s, size_t nby
     gm_add(sh.requested_delta, nbytes)
     gm_add(sh.allocs, 1)
     return b
+
+cdef inline void _top_up_serials(gm_pool* p, gm_shard* sh) noexcept nogil:
+    """Both locks held: a fresh range of 256 serials for the shard once it has used its own
+    (every writer of next_serial holds the pool lock, so a plain load+store is enough)."""
+    cdef uint64_t serial
+    if sh.serial_next == sh.serial_end:
+        serial = p.stats.next_serial.load(memory_order_relaxed)
+        p.stats.next_serial.store(serial + 256, memory_order_relaxed)
+        sh.serial_next = serial + 1
+        sh.serial_end = serial + 257
+
+cdef inline int _alloc_from_pool(gm_pool* p, gm_shard* sh, size_t nbytes, uint64_t stream,
+                                gm_block** out) noexcept nogil:
+    """Both locks held, after a front-cache miss: top up the shard's serials (the miss may have
+    been for want of them, then the front cache serves after all), else the pool's heaps."""
+    cdef gm_block* b
+    if sh.serial_next == sh.serial_end:
+        _top_up_serials(p, sh)
+        b = _front_take(p, sh, gm_round(p, nbytes), nbytes, stream)
+        if b != NULL:
+            out[0] = b
+            return GM_OK
+    return _alloc_locked(p, nbytes, stream, out)
 
 cdef inline bint _front_put(gm_pool* p, gm_shard* sh, gm_block* b) noexcept nogil:
     """Keep the live block b (already validated) in the shard's bins; False when it does not
@@ -559,11 +579,11 @@ cdef int gm_alloc(gm_pool* p, size_t nbytes, uint64_t stream, gm_block** out) no
         _shard_unlock(sh)
         out[0] = b
         return GM_OK
-    _shard_unlock(sh)
     out[0] = NULL
-    _lock(p)
-    rc = _alloc_locked(p, nbytes, stream, out)
+    _lock(p)                          # shard lock kept: it comes first in the lock order
+    rc = _alloc_from_pool(p, sh, nbytes, stream, out)
     _unlock(p)
+    _shard_unlock(sh)
     return rc
 
 cdef int gm_free(gm_pool* p, gm_block* b, uint64_t serial) noexcept nogil:
@@ -591,10 +611,16 @@ cdef int gm_alloc_gil(gm_pool* p, size_t nbytes, uint64_t stream, gm_block** out
         # this thread's front cache has blocks (nogil gm_free calls put them there): use them
         _shard_lock_gil(sh)
         b = _front_take(p, sh, gm_round(p, nbytes), nbytes, stream)
-        _shard_unlock(sh)
         if b != NULL:
+            _shard_unlock(sh)
             out[0] = b
             return GM_OK
+        out[0] = NULL
+        _lock_gil(p)
+        rc = _alloc_from_pool(p, sh, nbytes, stream, out)
+        _unlock(p)
+        _shard_unlock(sh)
+        return rc
     out[0] = NULL
     _lock_gil(p)
     rc = _alloc_locked(p, nbytes, stream, out)
