@@ -1076,7 +1076,9 @@ cdef class CachingPool:
         self._p.last_slot = -1
         if _register_stream(self._p, 0) < 0:
             raise MemoryError("cannot allocate the default stream's heaps")
-        self._p.shards = <gm_shard*>aligned_alloc(64, sizeof(gm_shard) * GM_NSHARDS)
+        # aligned_alloc wants a multiple of the alignment
+        self._p.shards = <gm_shard*>aligned_alloc(
+            64, _round_up(sizeof(gm_shard) * GM_NSHARDS, 64))
         if self._p.shards == NULL:
             raise MemoryError("cannot allocate the front caches")
         memset(self._p.shards, 0, sizeof(gm_shard) * GM_NSHARDS)
