@@ -27,7 +27,7 @@ cdef extern from "<time.h>" nogil:
     enum: CLOCK_THREAD_CPUTIME_ID
 
 from gpumem._core.pool cimport (CachingPool, gm_pool, gm_segment, gm_block, gm_alloc, gm_free,
-                                gm_round, GM_OK)
+                                gm_alloc_gil, gm_free_gil, gm_round, GM_OK)
 
 
 cdef extern from *:
@@ -91,9 +91,12 @@ def clock_overhead_ns(size_t n=100000):
     return (t1 - t0) / <double>n
 
 
-def hit_pair_ns(CachingPool pool not None, sizes, size_t n, uint64_t stream=0, bint cpu=False):
+def hit_pair_ns(CachingPool pool not None, sizes, size_t n, uint64_t stream=0, bint cpu=False,
+                bint front=True):
     """ns per gm_alloc+gm_free pair: n pairs in a nogil loop, request sizes cycling over `sizes`
-    (wall time, or with cpu=True the thread's CPU time: steadier on a loaded machine).
+    (wall time, or with cpu=True the thread's CPU time: steadier on a loaded machine). With
+    front=False the loop holds the GIL and calls gm_alloc_gil/gm_free_gil, which free into the
+    pool's heaps: the pool's own lookup (TLSF), not a front cache, serves every pair.
 
     Raises RuntimeError if any alloc misses (the pool must already hold fitting free blocks) or
     any free fails."""
@@ -111,14 +114,14 @@ def hit_pair_ns(CachingPool pool not None, sizes, size_t n, uint64_t stream=0, b
     try:
         for i in range(k):
             sz[i] = sizes[i]
-        with nogil:
+        if not front:
             t0 = _cpu_ns() if cpu else _now_ns()
             for i in range(n):
-                rc = gm_alloc(p, sz[j], stream, &b)
+                rc = gm_alloc_gil(p, sz[j], stream, &b)
                 if rc != GM_OK:
                     failed_at = i
                     break
-                rc = gm_free(p, b, b.serial)
+                rc = gm_free_gil(p, b, b.serial)
                 if rc != GM_OK:
                     failed_at = i
                     break
@@ -126,6 +129,22 @@ def hit_pair_ns(CachingPool pool not None, sizes, size_t n, uint64_t stream=0, b
                 if j == k:
                     j = 0
             t1 = _cpu_ns() if cpu else _now_ns()
+        else:
+            with nogil:
+                t0 = _cpu_ns() if cpu else _now_ns()
+                for i in range(n):
+                    rc = gm_alloc(p, sz[j], stream, &b)
+                    if rc != GM_OK:
+                        failed_at = i
+                        break
+                    rc = gm_free(p, b, b.serial)
+                    if rc != GM_OK:
+                        failed_at = i
+                        break
+                    j += 1
+                    if j == k:
+                        j = 0
+                t1 = _cpu_ns() if cpu else _now_ns()
         if failed_at != <size_t>-1:
             raise RuntimeError(f"pair {failed_at} (size {sz[j]}) failed with code {rc}: the pool "
                                f"must hold a fitting free block for every size")
@@ -228,7 +247,8 @@ def free_block_count(CachingPool pool not None):
 
 @cython.final
 cdef class BlockPool:
-    """A standalone CachingPool fed synthetic segments, with blocks allocated and freed from C."""
+    """A standalone CachingPool fed synthetic segments, with blocks allocated and freed from C
+    (through the GIL-holding calls, so that blocks freed while building go to the heaps)."""
 
     cdef readonly CachingPool pool
     cdef size_t _next_base
@@ -248,7 +268,7 @@ cdef class BlockPool:
         cdef gm_block* b = NULL
         cdef gm_pool* p = self.pool._p
         cdef size_t seg
-        if gm_alloc(p, nbytes, stream, &b) == GM_OK:
+        if gm_alloc_gil(p, nbytes, stream, &b) == GM_OK:
             return b
         seg = self.pool.segment_size_for(gm_round(p, nbytes))
         self.pool.add_segment_and_alloc(self._next_handle, self._next_base, seg, nbytes, stream,
@@ -283,7 +303,7 @@ cdef class BlockPool:
                     toggle = not toggle
                     if (not toggle and (b.prev == NULL or b.prev.heap_index == -1)
                             and (nxt == NULL or nxt.heap_index == -1)):
-                        if gm_free(p, b, b.serial) != GM_OK:
+                        if gm_free_gil(p, b, b.serial) != GM_OK:
                             raise RuntimeError("gm_free failed while populating")
                         nfree += 1
                 b = nxt
@@ -299,7 +319,7 @@ cdef class BlockPool:
         self.pool.register_stream(stream)
         for n in sizes:
             b = self._alloc(<size_t>n, stream)
-            if gm_free(self.pool._p, b, b.serial) != GM_OK:
+            if gm_free_gil(self.pool._p, b, b.serial) != GM_OK:
                 raise RuntimeError("gm_free failed")
         return self.segments_added - before
 
@@ -311,5 +331,5 @@ cdef class BlockPool:
     def live_blocks(self):
         return self.pool._p.stats.active_blocks.load()
 
-    def hit_pair_ns(self, sizes, size_t n, bint cpu=False):
-        return hit_pair_ns(self.pool, sizes, n, 0, cpu)
+    def hit_pair_ns(self, sizes, size_t n, bint cpu=False, bint front=True):
+        return hit_pair_ns(self.pool, sizes, n, 0, cpu, front)
