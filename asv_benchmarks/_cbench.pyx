@@ -185,12 +185,13 @@ cdef void _pairs_worker(void* arg) noexcept nogil:
 
 
 def threaded_pairs_per_us(CachingPool pool not None, size_t nbytes, size_t n, streams,
-                          bint cpu=False):
+                          bint cpu=False, pools=None):
     """Hit pairs per microsecond of `len(streams)` native threads together, thread i on
     streams[i] (each stream registered and holding a fitting free block): over the wall time
     from the first start to the last end, or with cpu=True over the largest CPU time a thread
     used (what the threads would do each on its own core: on a loaded machine the wall time
-    also counts the time they waited for a core)."""
+    also counts the time they waited for a core). `pools`: one pool per thread instead (threads
+    that share nothing: the machine's own ceiling for the same loop)."""
     cdef int k = len(streams), i
     cdef _worker* ws
     cdef void** args
@@ -208,7 +209,7 @@ def threaded_pairs_per_us(CachingPool pool not None, size_t nbytes, size_t n, st
         raise MemoryError()
     ready.store(0)
     for i in range(k):
-        ws[i].pool = pool._p
+        ws[i].pool = (<CachingPool>pools[i])._p if pools is not None else pool._p
         ws[i].nbytes = nbytes
         ws[i].stream = streams[i]
         ws[i].n = n

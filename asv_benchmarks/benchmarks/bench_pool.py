@@ -126,7 +126,11 @@ class HitScalingRatio:
     track_ratio_1m_over_10.unit = "ratio"
 
 
-THREAD_CASES = {"1 thread": [0], "2 threads, 1 stream": [0, 0], "2 threads, 2 streams": [0, 1]}
+THREAD_CASES = {"1 thread": [0], "2 threads, 1 stream": [0, 0], "2 threads, 2 streams": [0, 1],
+                "2 threads, 2 pools (ceiling)": [0, 0]}
+#: the ceiling case: each thread on a pool of its own, so the threads share nothing at all; its
+#: speedup is what the machine allows at that moment (another process on a core caps it)
+CEILING = "2 threads, 2 pools (ceiling)"
 
 
 def thread_scaling(cb, nbytes: int = 4 * KiB, pairs: int = 300_000, repeats: int = REPEATS,
@@ -137,16 +141,23 @@ def thread_scaling(cb, nbytes: int = 4 * KiB, pairs: int = 300_000, repeats: int
     time instead of the wall time (see _cbench.threaded_pairs_per_us)."""
     pools = {}
     for case, streams in THREAD_CASES.items():
-        bp = cb.BlockPool()
-        for s in sorted(set(streams)):
-            bp.ensure_hits([nbytes], s)
-        cb.threaded_pairs_per_us(bp.pool, nbytes, pairs // 10, streams)      # warm
-        pools[case] = bp
+        bps = [cb.BlockPool() for _ in (streams if case == CEILING else [0])]
+        for bp in bps:
+            for s in sorted(set(streams)):
+                bp.ensure_hits([nbytes], s)
+        pools[case] = bps
+
+    def run(case, n):
+        bps = pools[case]
+        return cb.threaded_pairs_per_us(bps[0].pool, nbytes, n, THREAD_CASES[case], cpu,
+                                        [bp.pool for bp in bps] if case == CEILING else None)
+
+    for case in THREAD_CASES:
+        run(case, pairs // 10)                                             # warm
     out = {case: [] for case in THREAD_CASES}
     for _ in range(repeats):
-        for case, streams in THREAD_CASES.items():
-            out[case].append(cb.threaded_pairs_per_us(pools[case].pool, nbytes, pairs, streams,
-                                                      cpu))
+        for case in THREAD_CASES:
+            out[case].append(run(case, pairs))
     return out
 
 
@@ -156,7 +167,7 @@ class ThreadScaling:
     time; "cpu": over the largest thread CPU time (on a loaded machine the wall time also
     counts waiting for a core, which no allocator can help)."""
 
-    params = [["2 threads, 1 stream", "2 threads, 2 streams"], ["wall", "cpu"]]
+    params = [["2 threads, 1 stream", "2 threads, 2 streams", CEILING], ["wall", "cpu"]]
     param_names = ["case", "clock"]
     timeout = 300
 
