@@ -10,22 +10,58 @@ ones on a miss, so the timed loops measure the pool and nothing else.
 
 - `hit_pair_ns(pool, sizes, n)`: n gm_alloc+gm_free pairs in one nogil loop, cycling over
   `sizes`, timed with clock_gettime(CLOCK_MONOTONIC); returns ns per pair. Every alloc must hit.
+- `threaded_pairs_per_us(pool, nbytes, n, streams)`: one native thread per entry of `streams`
+  (std::thread, no GIL), each running n hit pairs on its stream after a common start; returns
+  total pairs per microsecond over the wall time from the first start to the last end.
 - `BlockPool.populate(n, ...)`: n blocks of log-uniform random sizes, then every other block (in
   address order) freed where both its neighbours are live, so the freed blocks cannot coalesce.
 """
 cimport cython
 from libc.stdint cimport uint64_t
-from libc.stdlib cimport malloc, free
+from libc.stdlib cimport malloc, calloc, free
+from libcpp.atomic cimport atomic
 from libc.math cimport exp, log
 from posix.time cimport clock_gettime, timespec, CLOCK_MONOTONIC
 
+cdef extern from "<time.h>" nogil:
+    enum: CLOCK_THREAD_CPUTIME_ID
+
 from gpumem._core.pool cimport (CachingPool, gm_pool, gm_segment, gm_block, gm_alloc, gm_free,
-                                gm_round, GM_OK)
+                                gm_alloc_gil, gm_free_gil, gm_round, GM_OK)
+
+
+cdef extern from *:
+    """
+    #include <thread>
+    #include <vector>
+    #include <atomic>
+    typedef void (*gmb_worker_fn)(void* arg);
+    // Run fn(args[i]) on n native threads at once and join them all.
+    static int gmb_run_threads(int n, gmb_worker_fn fn, void** args) {
+        std::vector<std::thread> ts;
+        try {
+            for (int i = 0; i < n; i++) ts.emplace_back(fn, args[i]);
+        } catch (...) {
+            for (auto& t : ts) t.join();
+            return -1;
+        }
+        for (auto& t : ts) t.join();
+        return 0;
+    }
+    """
+    ctypedef void (*gmb_worker_fn)(void* arg) noexcept nogil
+    int gmb_run_threads(int n, gmb_worker_fn fn, void** args) nogil
 
 
 cdef inline long long _now_ns() noexcept nogil:
     cdef timespec ts
     clock_gettime(CLOCK_MONOTONIC, &ts)
+    return <long long>ts.tv_sec * 1000000000LL + ts.tv_nsec
+
+
+cdef inline long long _cpu_ns() noexcept nogil:
+    cdef timespec ts
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts)
     return <long long>ts.tv_sec * 1000000000LL + ts.tv_nsec
 
 
@@ -55,8 +91,12 @@ def clock_overhead_ns(size_t n=100000):
     return (t1 - t0) / <double>n
 
 
-def hit_pair_ns(CachingPool pool not None, sizes, size_t n, uint64_t stream=0):
-    """ns per gm_alloc+gm_free pair: n pairs in a nogil loop, request sizes cycling over `sizes`.
+def hit_pair_ns(CachingPool pool not None, sizes, size_t n, uint64_t stream=0, bint cpu=False,
+                bint front=True):
+    """ns per gm_alloc+gm_free pair: n pairs in a nogil loop, request sizes cycling over `sizes`
+    (wall time, or with cpu=True the thread's CPU time: steadier on a loaded machine). With
+    front=False the loop holds the GIL and calls gm_alloc_gil/gm_free_gil, which free into the
+    pool's heaps: the pool's own lookup (TLSF), not a front cache, serves every pair.
 
     Raises RuntimeError if any alloc misses (the pool must already hold fitting free blocks) or
     any free fails."""
@@ -74,27 +114,126 @@ def hit_pair_ns(CachingPool pool not None, sizes, size_t n, uint64_t stream=0):
     try:
         for i in range(k):
             sz[i] = sizes[i]
-        with nogil:
-            t0 = _now_ns()
+        if not front:
+            t0 = _cpu_ns() if cpu else _now_ns()
             for i in range(n):
-                rc = gm_alloc(p, sz[j], stream, &b)
+                rc = gm_alloc_gil(p, sz[j], stream, &b)
                 if rc != GM_OK:
                     failed_at = i
                     break
-                rc = gm_free(p, b, b.serial)
+                rc = gm_free_gil(p, b, b.serial)
                 if rc != GM_OK:
                     failed_at = i
                     break
                 j += 1
                 if j == k:
                     j = 0
-            t1 = _now_ns()
+            t1 = _cpu_ns() if cpu else _now_ns()
+        else:
+            with nogil:
+                t0 = _cpu_ns() if cpu else _now_ns()
+                for i in range(n):
+                    rc = gm_alloc(p, sz[j], stream, &b)
+                    if rc != GM_OK:
+                        failed_at = i
+                        break
+                    rc = gm_free(p, b, b.serial)
+                    if rc != GM_OK:
+                        failed_at = i
+                        break
+                    j += 1
+                    if j == k:
+                        j = 0
+                t1 = _cpu_ns() if cpu else _now_ns()
         if failed_at != <size_t>-1:
             raise RuntimeError(f"pair {failed_at} (size {sz[j]}) failed with code {rc}: the pool "
                                f"must hold a fitting free block for every size")
     finally:
         free(sz)
     return (t1 - t0) / <double>n
+
+
+ctypedef struct _worker:
+    gm_pool* pool
+    size_t nbytes
+    uint64_t stream
+    size_t n
+    atomic[int]* ready                # threads at the start line; all go once it reaches nthreads
+    int nthreads
+    long long t0, t1
+    long long cpu0, cpu1
+    size_t failed
+
+
+cdef void _pairs_worker(void* arg) noexcept nogil:
+    cdef _worker* w = <_worker*>arg
+    cdef gm_block* b
+    cdef size_t i
+    w.ready[0].fetch_add(1)
+    while w.ready[0].load() < w.nthreads:
+        pass
+    w.t0 = _now_ns()
+    w.cpu0 = _cpu_ns()
+    for i in range(w.n):
+        if gm_alloc(w.pool, w.nbytes, w.stream, &b) != GM_OK:
+            w.failed += 1
+            continue
+        if gm_free(w.pool, b, b.serial) != GM_OK:
+            w.failed += 1
+    w.cpu1 = _cpu_ns()
+    w.t1 = _now_ns()
+
+
+def threaded_pairs_per_us(CachingPool pool not None, size_t nbytes, size_t n, streams,
+                          bint cpu=False, pools=None):
+    """Hit pairs per microsecond of `len(streams)` native threads together, thread i on
+    streams[i] (each stream registered and holding a fitting free block): over the wall time
+    from the first start to the last end, or with cpu=True over the largest CPU time a thread
+    used (what the threads would do each on its own core: on a loaded machine the wall time
+    also counts the time they waited for a core). `pools`: one pool per thread instead (threads
+    that share nothing: the machine's own ceiling for the same loop)."""
+    cdef int k = len(streams), i
+    cdef _worker* ws
+    cdef void** args
+    cdef atomic[int] ready
+    cdef long long t0, t1, cpu_max
+    cdef size_t failed = 0
+    cdef int rc
+    if k < 1:
+        raise ValueError("need at least one stream")
+    ws = <_worker*>calloc(k, sizeof(_worker))
+    args = <void**>calloc(k, sizeof(void*))
+    if ws == NULL or args == NULL:
+        free(ws)
+        free(args)
+        raise MemoryError()
+    ready.store(0)
+    for i in range(k):
+        ws[i].pool = (<CachingPool>pools[i])._p if pools is not None else pool._p
+        ws[i].nbytes = nbytes
+        ws[i].stream = streams[i]
+        ws[i].n = n
+        ws[i].ready = &ready
+        ws[i].nthreads = k
+        args[i] = &ws[i]
+    with nogil:
+        rc = gmb_run_threads(k, _pairs_worker, args)
+    t0 = ws[0].t0
+    t1 = ws[0].t1
+    cpu_max = 0
+    for i in range(k):
+        t0 = min(t0, ws[i].t0)
+        t1 = max(t1, ws[i].t1)
+        cpu_max = max(cpu_max, ws[i].cpu1 - ws[i].cpu0)
+        failed += ws[i].failed
+    free(ws)
+    free(args)
+    if rc != 0:
+        raise RuntimeError("could not start the threads")
+    if failed:
+        raise RuntimeError(f"{failed} of {k * n} pairs failed: each stream needs a fitting "
+                           f"free block")
+    return k * n / (((cpu_max if cpu else t1 - t0) or 1) / 1000.0)
 
 
 def free_block_count(CachingPool pool not None):
@@ -109,7 +248,8 @@ def free_block_count(CachingPool pool not None):
 
 @cython.final
 cdef class BlockPool:
-    """A standalone CachingPool fed synthetic segments, with blocks allocated and freed from C."""
+    """A standalone CachingPool fed synthetic segments, with blocks allocated and freed from C
+    (through the GIL-holding calls, so that blocks freed while building go to the heaps)."""
 
     cdef readonly CachingPool pool
     cdef size_t _next_base
@@ -124,15 +264,16 @@ cdef class BlockPool:
     def __init__(self, CachingPool pool=None, **pool_kwargs):
         self.pool = pool if pool is not None else CachingPool(**pool_kwargs)
 
-    cdef gm_block* _alloc(self, size_t nbytes) except NULL:
+    cdef gm_block* _alloc(self, size_t nbytes, uint64_t stream=0) except NULL:
         """A block from the cache, or from a new synthetic segment on a miss."""
         cdef gm_block* b = NULL
         cdef gm_pool* p = self.pool._p
         cdef size_t seg
-        if gm_alloc(p, nbytes, 0, &b) == GM_OK:
+        if gm_alloc_gil(p, nbytes, stream, &b) == GM_OK:
             return b
         seg = self.pool.segment_size_for(gm_round(p, nbytes))
-        self.pool.add_segment_and_alloc(self._next_handle, self._next_base, seg, nbytes, 0, &b)
+        self.pool.add_segment_and_alloc(self._next_handle, self._next_base, seg, nbytes, stream,
+                                        &b)
         self._next_handle += 1
         self._next_base += (seg + 4095) & ~(<size_t>4095)
         self.segments_added += 1
@@ -163,21 +304,23 @@ cdef class BlockPool:
                     toggle = not toggle
                     if (not toggle and (b.prev == NULL or b.prev.heap_index == -1)
                             and (nxt == NULL or nxt.heap_index == -1)):
-                        if gm_free(p, b, b.serial) != GM_OK:
+                        if gm_free_gil(p, b, b.serial) != GM_OK:
                             raise RuntimeError("gm_free failed while populating")
                         nfree += 1
                 b = nxt
             seg = seg.next
         return free_block_count(self.pool)
 
-    def ensure_hits(self, sizes):
-        """Make sure an alloc of each size hits (adding a segment where one would miss), then
-        return every such block. Returns the number of segments it had to add."""
+    def ensure_hits(self, sizes, uint64_t stream=0):
+        """Make sure an alloc of each size hits on `stream` (registering it, and adding a
+        segment where one would miss), then return every such block. Returns the number of
+        segments it had to add."""
         cdef size_t before = self.segments_added
         cdef gm_block* b
+        self.pool.register_stream(stream)
         for n in sizes:
-            b = self._alloc(<size_t>n)
-            if gm_free(self.pool._p, b, b.serial) != GM_OK:
+            b = self._alloc(<size_t>n, stream)
+            if gm_free_gil(self.pool._p, b, b.serial) != GM_OK:
                 raise RuntimeError("gm_free failed")
         return self.segments_added - before
 
@@ -189,8 +332,8 @@ cdef class BlockPool:
     def live_blocks(self):
         return self.pool._p.stats.active_blocks.load()
 
-    def hit_pair_ns(self, sizes, size_t n):
-        return hit_pair_ns(self.pool, sizes, n)
+    def hit_pair_ns(self, sizes, size_t n, bint cpu=False, bint front=True):
+        return hit_pair_ns(self.pool, sizes, n, 0, cpu, front)
 
 
 ctypedef void* (*torch_alloc_fn)(Py_ssize_t, int, void*) noexcept nogil

@@ -53,8 +53,12 @@ class Skip(Exception):
 # timing
 # =============================================================================================
 class Timer:
-    def __init__(self, quick: bool):
+    def __init__(self, quick: bool, clock: str = "wall"):
         self.quick = quick
+        # "cpu": this thread's CPU time, steadier than the wall clock on a loaded shared machine
+        # (it leaves out the time spent waiting for a core; single-threaded benchmarks only)
+        self.now = time.thread_time_ns if clock == "cpu" else time.perf_counter_ns
+        self.clock = clock
         self.min_time = 0.05 if quick else 0.2
         self.repeats = 5 if quick else 15
         self.replays = 3 if quick else 7
@@ -63,9 +67,9 @@ class Timer:
         """Calls per repeat so that one repeat lasts >= min_time (like timeit.autorange)."""
         k = 1
         while True:
-            t0 = time.perf_counter_ns()
+            t0 = self.now()
             run(k)
-            dt = time.perf_counter_ns() - t0
+            dt = self.now() - t0
             if dt >= self.min_time * 1e9 or k >= 1 << 30:
                 return k
             k = max(k * 2, int(k * self.min_time * 1e9 / max(dt, 1) * 1.2))
@@ -81,9 +85,9 @@ class Timer:
             for _ in range(self.repeats):
                 for name, run in runs.items():
                     k = ks[name]
-                    t0 = time.perf_counter_ns()
+                    t0 = self.now()
                     run(k)
-                    out[name].append((time.perf_counter_ns() - t0) / k)
+                    out[name].append((self.now() - t0) / k)
             return out
         finally:
             if gc_on:
@@ -197,8 +201,9 @@ class Peer:
 
 
 class GpumemPeer(Peer):
-    def __init__(self, device: str, name: str = "gpumem", config=None):
+    def __init__(self, device: str, name: str = "gpumem", config=None, history: bool = True):
         self.device, self.name, self.config = device, name, config
+        self.history = history            # the pool's always-on C history (False: turned off)
 
     def open(self):
         from gpumem import MemoryManager
@@ -210,6 +215,8 @@ class GpumemPeer(Peer):
     def make(self) -> Inst:
         from gpumem import MemoryManager
         mm = MemoryManager(self.device, self.config)
+        if not self.history:
+            mm.pool.set_history(0)
         self.last = mm
         return Inst(mm.malloc, mm.free, mm.close,
                     peak=lambda: mm.pool.counters()["peak_reserved_bytes"])
@@ -775,20 +782,37 @@ def run_sim(timer: Timer, args) -> dict:
         skipped("C-level", "gpumem", str(exc))
         print(f"C-level benchmarks skipped: {exc}")
     pairs = 200_000 if timer.quick else 1_000_000
-    if cb is not None:
+    parts = set((args.only or "cpair,o1,threads,python").split(","))
+    if cb is not None and "cpair" in parts:
+        cpu = timer.clock == "cpu"
         for n in (512, 4 * KiB, 1 * MiB, 4 * MiB):
-            bp = cb.BlockPool()
-            bp.ensure_hits([n])
-            bp.hit_pair_ns([n], 10_000)
-            row = record(f"C pair (.pxd API) {fmt_size(n)}", "gpumem",
-                         [bp.hit_pair_ns([n], pairs) for _ in range(timer.repeats)],
-                         note=f"{pairs} pairs per repeat, nogil loop")
+            on, off = cb.BlockPool(), cb.BlockPool()
+            off.pool.set_history(0)                  # the same pool without its C history
+            for bp in (on, off):
+                bp.ensure_hits([n])
+                bp.hit_pair_ns([n], 10_000)
+            s_on, s_off = [], []
+            for _ in range(timer.repeats):           # interleaved
+                s_on.append(on.hit_pair_ns([n], pairs, cpu))
+                s_off.append(off.hit_pair_ns([n], pairs, cpu))
+            bench = f"C pair (.pxd API) {fmt_size(n)}"
+            row = record(bench, "gpumem", s_on, note=f"{pairs} pairs per repeat, nogil loop")
+            record(bench, "gpumem, history off", s_off)
             summary.setdefault("c_pair_ns", {})[fmt_size(n)] = row["median"]
+            summary.setdefault("c_pair_history_ratio", {})[fmt_size(n)] = \
+                row["median"] / statistics.median(s_off)
+    if cb is not None and "o1" in parts:
         summary["o1"] = o1_check(cb, timer, pairs)
+    if cb is not None and "threads" in parts:
+        summary["threads"] = threads_check(cb, timer, pairs)
+    if "python" not in parts:
+        return summary
     # --- Python level ------------------------------------------------------------------------
     from gpumem import MemoryConfig
     dev = sim_device_string()
-    peers = [GpumemPeer(dev, config=MemoryConfig(track_allocations=False))]
+    peers = [GpumemPeer(dev, config=MemoryConfig(track_allocations=False)),
+             GpumemPeer(dev, name="gpumem, history off",
+                        config=MemoryConfig(track_allocations=False), history=False)]
     track = GpumemPeer(dev, name="gpumem tracking on",
                        config=MemoryConfig(track_allocations=True))
     try:
@@ -800,7 +824,31 @@ def run_sim(timer: Timer, args) -> dict:
     bench_mixed(timer, peers, live=args.live or 10_000)
     if not args.no_traces:
         bench_traces(timer, peers[:1], budget=None)
+    NOTES.append("'gpumem' rows record the pool's always-on C history (100,000 events); "
+                 "'gpumem, history off' is the same pool with pool.set_history(0)")
     return summary
+
+
+def threads_check(cb, timer: Timer, pairs: int) -> dict:
+    """Native threads doing nogil 4 KiB hit pairs (gm_alloc/gm_free): throughput of 1 thread,
+    2 threads on one stream and on two streams, interleaved in this run; ratios 2 / 1 over the
+    wall time and over the largest thread CPU time."""
+    from benchmarks.bench_pool import THREAD_CASES, thread_scaling
+    out = {}
+    for clock in ("wall", "cpu"):
+        # both clocks every time: the wall clock is the goal, the CPU time shows what the code
+        # does when the threads are not waiting for a core on a loaded machine
+        r = thread_scaling(cb, pairs=pairs, repeats=timer.repeats, cpu=clock == "cpu")
+        one = statistics.median(r["1 thread"])
+        for case in THREAD_CASES:
+            record(f"threads, pairs/us ({clock} time)", case, r[case], unit="pairs/us",
+                   note=f"{pairs} pairs per thread per repeat")
+            if case != "1 thread":
+                ratio = statistics.median(r[case]) / one
+                record(f"threads, speedup over 1 ({clock} time)", case, [ratio], unit="ratio")
+                out[f"{case} ({clock})"] = ratio
+        out[f"1 thread ns/pair ({clock})"] = 1000.0 / one
+    return out
 
 
 def o1_check(cb, timer: Timer, pairs: int) -> dict:
@@ -828,12 +876,13 @@ def o1_check(cb, timer: Timer, pairs: int) -> dict:
         small, big = pools[lo]
         small.ensure_hits(sizes)
         big.ensure_hits(sizes)
-        small.hit_pair_ns(sizes, 20_000)
-        big.hit_pair_ns(sizes, 20_000)
+        # front=False: the heaps' lookup serves each pair (a front cache would hide it)
+        small.hit_pair_ns(sizes, 20_000, front=False)
+        big.hit_pair_ns(sizes, 20_000, front=False)
         s, b = [], []
         for _ in range(timer.repeats):
-            s.append(small.hit_pair_ns(sizes, pairs))
-            b.append(big.hit_pair_ns(sizes, pairs))
+            s.append(small.hit_pair_ns(sizes, pairs, front=False))
+            b.append(big.hit_pair_ns(sizes, pairs, front=False))
         record(f"O(1) {label}", f"gpumem, {small.free_blocks} free blocks", s)
         record(f"O(1) {label}", f"gpumem, {big.free_blocks} free blocks", b)
         ratio = statistics.median(b) / statistics.median(s)
@@ -997,13 +1046,18 @@ def main(argv=None) -> int:
     ap.add_argument("--backend", choices=("sim", "opencl", "cuda"), default="sim")
     ap.add_argument("--quick", action="store_true", help="fewer, shorter repeats")
     ap.add_argument("--no-traces", action="store_true", help="skip the trace replays")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="time Python-level figures by the wall clock (default) or by this "
+                         "thread's CPU time (steadier on a loaded machine)")
+    ap.add_argument("--only", metavar="PARTS",
+                    help="sim: comma list among cpair,o1,threads,python (default: all)")
     ap.add_argument("--live", type=int, metavar="N",
                     help="live buffers in the mixed benchmark (default: 10,000, or as many as "
                          "fit in half of what gpumem may take from the device)")
     ap.add_argument("--json", metavar="PATH", help="also save every figure as JSON")
     args = ap.parse_args(argv)
 
-    timer = Timer(args.quick)
+    timer = Timer(args.quick, args.clock)
     started = datetime.datetime.now()
     commit = _git_commit()
     print(f"gpumem compare: backend {args.backend}, {'quick' if args.quick else 'full'}; "

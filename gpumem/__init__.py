@@ -68,6 +68,8 @@ _LAZY = {
     "export_memory_viz": ("gpumem.torch_snapshot", "export_memory_viz"),
     "estimate_training_memory": ("gpumem.estimate_training", "estimate_training_memory"),
     "TrainingEstimate": ("gpumem.estimate_training", "TrainingEstimate"),
+    "dump_on_oom": ("gpumem.history", "dump_on_oom"),
+    "pool_trace": ("gpumem.history", "pool_trace"),
 }
 
 

@@ -32,7 +32,13 @@ class OutOfMemoryError(GpuMemoryError, MemoryError):
 
     The attributes give the state at the moment of failure so a user can tell an honest
     out-of-memory from fragmentation (``largest_free_block`` far below ``cached``).
+    ``history``: the pool's recent alloc/free events as a ``gpumem.trace.TraceData`` (set by
+    the manager; None when the pool's history is off). ``dump_files``: (trace, snapshot)
+    paths when :func:`gpumem.dump_on_oom` or ``GPUMEM_DUMP_ON_OOM`` asked for a dump.
     """
+
+    history = None
+    dump_files = None
 
     def __init__(self, requested: int, *, device: str = "?", free: int | None = None,
                  total: int | None = None, in_use: int = 0, cached: int = 0,

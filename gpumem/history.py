@@ -1,4 +1,20 @@
-"""History recording: a ring buffer of a manager's alloc/free events, saved as a trace.
+"""History recording: the pool's always-on C history, OOM dumps, and the HistoryRecorder.
+
+**Always on** (issue 12): every CachingPool keeps its newest alloc/free events in C rings
+(``history_events``, 100,000 by default: 4 MiB; ``pool.set_history(0)`` turns it off). Recording
+costs two coarse-clock reads and two 32-byte stores per alloc/free pair, with no Python
+involved. :func:`pool_trace` turns those rings into a :class:`gpumem.trace.TraceData`; every
+:class:`gpumem.OutOfMemoryError` raised by a manager carries the last :data:`OOM_HISTORY_EVENTS`
+as ``err.history``; and with :func:`dump_on_oom` (or ``GPUMEM_DUMP_ON_OOM=DIR``) each OOM also
+writes ``DIR/oom-<device>-<n>.csv.gz`` (the history as a trace: ``gpumem replay FILE --plot
+out.png``) and ``DIR/oom-<device>-<n>.json`` (a snapshot: ``gpumem snapshot --load FILE --plot
+out.png``).
+
+Thread safety: the dump directory is module state owned by this module, guarded by
+``_dump_lock``; the rings are guarded by the pool's locks (see gpumem/_core/pool.pyx).
+
+**HistoryRecorder**: a ring buffer of a manager's alloc/free events with tags and locations,
+saved as a trace.
 
 >>> rec = mm.record_history(max_entries=100_000)     # doctest: +SKIP
 >>> ...                                               # run the workload
@@ -40,7 +56,92 @@ from gpumem.errors import InvalidInputError
 if TYPE_CHECKING:
     from gpumem.trace import TraceData
 
-__all__ = ["HistoryRecorder", "HistoryEvent"]
+__all__ = ["HistoryRecorder", "HistoryEvent", "pool_trace", "dump_on_oom", "OOM_HISTORY_EVENTS"]
+
+#: events of the pool's history an OutOfMemoryError carries (the dump holds all of them)
+OOM_HISTORY_EVENTS = 10_000
+
+_dump_lock = threading.Lock()
+_dump_dir: str | None = None          # set by dump_on_oom(); None: GPUMEM_DUMP_ON_OOM decides
+_dump_set = False
+_dump_count = 0
+
+
+def pool_trace(pool: Any, *, last: int | None = None, name: str = "pool history") -> "TraceData":
+    """The pool's recorded events (the newest `last`) as a TraceData in the shared trace format:
+    ids renumbered 0..N-1 in allocation order, frees whose allocation is not in the history left
+    out, ``t_ns`` from 0 at the first event, a ``stream`` extra column."""
+    from gpumem.trace import OP_ALLOC, TraceData
+    h = pool.history(last)
+    ops, ids = h["op"], h["id"]
+    alloc_pos = np.flatnonzero(ops == OP_ALLOC)
+    free_pos = np.flatnonzero(ops != OP_ALLOC)
+    renum = np.full(len(ids), -1, np.int64)
+    renum[alloc_pos] = np.arange(len(alloc_pos))          # new ids in allocation order
+    if len(alloc_pos) and len(free_pos):
+        order = np.argsort(ids[alloc_pos], kind="stable")
+        sorted_ids = ids[alloc_pos][order]
+        w = np.minimum(np.searchsorted(sorted_ids, ids[free_pos]), len(sorted_ids) - 1)
+        hit = sorted_ids[w] == ids[free_pos]
+        renum[free_pos[hit]] = order[w[hit]]             # a free takes its allocation's id
+    keep = renum >= 0
+    t = h["t_ns"][keep]
+    t = t - t[0] if len(t) else t
+    return TraceData(t.astype(np.int64), ops[keep].astype(np.uint8), renum[keep],
+                     h["size"][keep].astype(np.int64), name=name,
+                     extra={"stream": [str(x) for x in h["stream"][keep].tolist()]})
+
+
+def dump_on_oom(directory: Any) -> None:
+    """Write the history (a trace) and a snapshot into `directory` on every OutOfMemoryError
+    a manager raises (``None``: stop; this overrides ``GPUMEM_DUMP_ON_OOM``)."""
+    global _dump_dir, _dump_set
+    if directory is not None:
+        import os
+        directory = os.fspath(directory)
+        if not directory:
+            raise InvalidInputError("dump_on_oom takes a directory path or None, got ''")
+    with _dump_lock:
+        _dump_dir = directory
+        _dump_set = True
+
+
+def _dump_directory() -> str | None:
+    import os
+    with _dump_lock:
+        if _dump_set:
+            return _dump_dir
+    return os.environ.get("GPUMEM_DUMP_ON_OOM") or None
+
+
+def on_oom(manager: Any, err: Any) -> None:
+    """Called by the manager for each OutOfMemoryError: attach the recent history as
+    ``err.history`` (a TraceData, or None when history is off) and write the dump if asked.
+    Never raises: a failure to record is a warning, the OOM stays the error."""
+    import os
+    import warnings
+    global _dump_count
+    try:
+        if manager.pool.history_capacity:
+            err.history = pool_trace(manager.pool, last=OOM_HISTORY_EVENTS,
+                                     name=f"history before an OOM on {manager.device_string}")
+        directory = _dump_directory()
+        if directory is None:
+            return
+        from gpumem.snapshot import save_snapshot, take_snapshot
+        from gpumem.trace import write_trace
+        with _dump_lock:
+            _dump_count += 1
+            n = _dump_count
+        stem = os.path.join(directory, f"oom-{manager.device_string.replace(':', '')}-"
+                                       f"{os.getpid()}-{n}")
+        os.makedirs(directory, exist_ok=True)
+        write_trace(stem + ".csv.gz", pool_trace(manager.pool), extra_columns=("stream",))
+        save_snapshot(take_snapshot(manager), stem + ".json")
+        err.dump_files = (stem + ".csv.gz", stem + ".json")
+    except Exception as exc:   # the OOM is the error the user must see
+        warnings.warn(f"gpumem: could not record the history of an OOM: {exc}", RuntimeWarning)
+
 
 
 class HistoryEvent(NamedTuple):

@@ -282,6 +282,8 @@ class MissPath:
                                in_use=in_use, cached=cached, limit=self.usable_memory,
                                largest_free_block=largest, reason=reason)
         log.warning("%s", err)
+        from gpumem.history import on_oom
+        on_oom(self, err)                     # err.history; the dump of GPUMEM_DUMP_ON_OOM
         return err
 
     def _fallback(self, nbytes: int, stream: int, tag: Any) -> FallbackBuffer:

@@ -1,8 +1,9 @@
 """The caching pool's hit path, at C level (through the public .pxd API) and Python level.
 
 C level: ``_cbench`` (compiled in setup, see build_cbench.py) runs N gm_alloc+gm_free pairs in a
-nogil loop, timed with clock_gettime; when it cannot be built the "c" parameters are skipped
-(NotImplementedError) and the "python" ones still run. Targets: a C-level pair <= 40 ns; the
+nogil loop, timed with clock_gettime (the O(1) cases call the GIL-holding variants instead, which
+free into the heaps: the pool's lookup, not a front cache, serves each pair); when it cannot be
+built the "c" parameters are skipped (NotImplementedError) and the "python" ones still run. Targets: a C-level pair <= 40 ns; the
 pair with 1,000,000 cached free blocks of varied sizes <= 1.5x the pair with 10.
 """
 import math
@@ -87,10 +88,11 @@ class HitScaling:
         cb = load_cbench()
         self.bp = _populated(cb, nfree)
         self.sizes = [4 * KiB] if sizes == "4KiB" else MIXED_SIZES
-        self.bp.hit_pair_ns(self.sizes, 10_000)
+        self.bp.hit_pair_ns(self.sizes, 10_000, front=False)
 
     def track_ns_per_pair(self, nfree, sizes):
-        return statistics.median(self.bp.hit_pair_ns(self.sizes, PAIRS) for _ in range(REPEATS))
+        return statistics.median(self.bp.hit_pair_ns(self.sizes, PAIRS, front=False)
+                                 for _ in range(REPEATS))
 
     track_ns_per_pair.unit = "ns"
 
@@ -117,8 +119,88 @@ class HitScalingRatio:
     def track_ratio_1m_over_10(self, sizes):
         small, big = [], []
         for _ in range(REPEATS):
-            small.append(self.small.hit_pair_ns(self.sizes, PAIRS))
-            big.append(self.big.hit_pair_ns(self.sizes, PAIRS))
+            small.append(self.small.hit_pair_ns(self.sizes, PAIRS, front=False))
+            big.append(self.big.hit_pair_ns(self.sizes, PAIRS, front=False))
         return statistics.median(big) / statistics.median(small)
 
     track_ratio_1m_over_10.unit = "ratio"
+
+
+THREAD_CASES = {"1 thread": [0], "2 threads, 1 stream": [0, 0], "2 threads, 2 streams": [0, 1],
+                "2 threads, 2 pools (ceiling)": [0, 0]}
+#: the ceiling case: each thread on a pool of its own, so the threads share nothing at all; its
+#: speedup is what the machine allows at that moment (another process on a core caps it)
+CEILING = "2 threads, 2 pools (ceiling)"
+
+
+def thread_scaling(cb, nbytes: int = 4 * KiB, pairs: int = 300_000, repeats: int = REPEATS,
+                   cpu: bool = False) -> dict:
+    """Hit-pair throughput (pairs/us) of native threads calling gm_alloc/gm_free without the
+    GIL, for each case of THREAD_CASES, measured interleaved (1, 2, 2, 1, 2, 2, ...) on one pool
+    per case. Returns {case: [pairs/us per repeat]}. cpu=True divides by the largest thread CPU
+    time instead of the wall time (see _cbench.threaded_pairs_per_us)."""
+    pools = {}
+    for case, streams in THREAD_CASES.items():
+        bps = [cb.BlockPool() for _ in (streams if case == CEILING else [0])]
+        for bp in bps:
+            for s in sorted(set(streams)):
+                bp.ensure_hits([nbytes], s)
+        pools[case] = bps
+
+    def run(case, n):
+        bps = pools[case]
+        return cb.threaded_pairs_per_us(bps[0].pool, nbytes, n, THREAD_CASES[case], cpu,
+                                        [bp.pool for bp in bps] if case == CEILING else None)
+
+    for case in THREAD_CASES:
+        run(case, pairs // 10)                                             # warm
+    out = {case: [] for case in THREAD_CASES}
+    for _ in range(repeats):
+        for case in THREAD_CASES:
+            out[case].append(run(case, pairs))
+    return out
+
+
+class ThreadScaling:
+    """Throughput of 2 native threads doing nogil hit pairs over that of 1 thread, same run
+    (interleaved repeats): target >= 1.6 on one stream and on two. "wall": pairs over the wall
+    time; "cpu": over the largest thread CPU time (on a loaded machine the wall time also
+    counts waiting for a core, which no allocator can help)."""
+
+    params = [["2 threads, 1 stream", "2 threads, 2 streams", CEILING], ["wall", "cpu"]]
+    param_names = ["case", "clock"]
+    timeout = 300
+
+    def setup(self, case, clock):
+        self.cb = load_cbench()
+
+    def track_speedup_over_1_thread(self, case, clock):
+        r = thread_scaling(self.cb, cpu=clock == "cpu")
+        return statistics.median(r[case]) / statistics.median(r["1 thread"])
+
+    track_speedup_over_1_thread.unit = "ratio"
+
+
+class HistoryCost:
+    """The always-on C history: C-level hit pair with it on (the default) over the same pair
+    with pool.set_history(0), interleaved in one run. Target <= 1.1."""
+
+    params = [[4 * KiB, 4 * MiB]]
+    param_names = ["nbytes"]
+
+    def setup(self, nbytes):
+        cb = load_cbench()
+        self.on, self.off = cb.BlockPool(), cb.BlockPool()
+        self.off.pool.set_history(0)
+        for bp in (self.on, self.off):
+            bp.ensure_hits([nbytes])
+            bp.hit_pair_ns([nbytes], 10_000)
+
+    def track_ratio_on_over_off(self, nbytes):
+        on, off = [], []
+        for _ in range(REPEATS):
+            on.append(self.on.hit_pair_ns([nbytes], PAIRS, True))
+            off.append(self.off.hit_pair_ns([nbytes], PAIRS, True))
+        return statistics.median(on) / statistics.median(off)
+
+    track_ratio_on_over_off.unit = "ratio"

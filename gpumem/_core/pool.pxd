@@ -30,8 +30,11 @@ ctypedef struct gm_block:
     gm_block* next
     gm_block* free_prev              # links in a size-class list (free blocks only)
     gm_block* free_next
-    int heap_index                   # index into gm_pool.heaps while free, -1 while live
+    int heap_index                   # index into gm_pool.heaps while free, -1 while live or in a
+                                     # front cache (then serial is 0)
     int size_class
+    char _pad[40]                    # 128 bytes, 64-aligned: two threads' blocks never share a
+                                     # cache line (the front caches write serial and requested)
 
 ctypedef struct gm_segment:
     uint64_t handle                  # backend's name for the raw allocation
@@ -80,6 +83,49 @@ ctypedef struct gm_stats:
     atomic[size_t] whole_free_bytes  # in segments that are one free block (releasable at once)
     atomic[uint64_t] next_serial
 
+# History: alloc/free events in C rings (one per pool, written under the pool lock, and one per
+# front cache, written under its lock); the newest `capacity` events of each are kept.
+ctypedef struct gm_event:            # 32 bytes: two per cache line
+    uint64_t t_ns                    # CLOCK_MONOTONIC_COARSE (a few ms resolution; cheap)
+    uint64_t id                      # the block's serial (the buffer id)
+    uint64_t size_op                 # bytes requested, | 1 << 63 for a free
+    uint64_t stream
+
+ctypedef struct gm_ring:
+    gm_event* events                 # NULL: not recording
+    size_t capacity                  # a power of two
+    size_t count                     # events written (those before count - capacity are gone)
+
+# Front caches: blocks freed through gm_free by nogil callers are kept, still carved, in a small
+# cache of the freeing thread and handed back by its next gm_alloc of the same (stream, size)
+# without the pool lock. Threads are spread round-robin over GM_NSHARDS caches; each has its own
+# lock and counters (one cache line apart), so threads on different caches share no writes.
+cdef enum:
+    GM_NSHARDS = 8                   # front caches per pool
+    GM_FRONT_BINS = 8                # (stream, rounded request) bins per front cache
+    GM_FRONT_DEPTH = 4               # blocks per bin
+    GM_FRONT_BYTES = 4 << 20         # at most this many bytes cached per front cache
+
+ctypedef struct gm_front_bin:
+    uint64_t stream
+    size_t size                      # rounded request size the blocks serve; 0: bin unused
+    int count
+    gm_block* blocks[GM_FRONT_DEPTH]
+
+ctypedef struct gm_shard:
+    atomic[int] lock                 # order: a shard's lock before the pool's
+    gm_front_bin bins[GM_FRONT_BINS]
+    uint64_t serial_next             # serials handed out by front hits: [next, end) reserved
+    uint64_t serial_end
+    # written under this shard's lock only; read lock-free by counters()
+    atomic[size_t] cached_bytes      # bytes of the blocks in the bins (the pool counts them as in use)
+    atomic[size_t] cached_blocks
+    atomic[size_t] requested_delta   # add to the pool's requested_bytes (mod 2**64)
+    atomic[size_t] allocs            # front hits (also counted as hits)
+    atomic[size_t] frees             # frees into the bins
+    gm_ring history
+    char _pad[64]
+
 ctypedef struct gm_pool:
     atomic[int] lock
     gm_config cfg
@@ -92,6 +138,9 @@ ctypedef struct gm_pool:
     void** chunks                    # malloc'd arrays of block structs, freed with the pool
     int nchunks
     int chunks_cap
+    gm_shard* shards                 # GM_NSHARDS front caches, 64-aligned
+    gm_ring history                  # events of the pool path (under the pool lock)
+    atomic[size_t] history_capacity  # events kept per ring; 0: history off
 
 # --- the C API (each takes the pool's lock itself) --------------------------------------------
 # gm_alloc/gm_free: for callers without the GIL. gm_alloc_gil/gm_free_gil: the same for callers

@@ -23,15 +23,33 @@ The lock (one owner: the pool; it guards every C structure of the pool and nothi
 - A caller that holds the GIL never spins on the lock: it tries it once and otherwise releases
   the GIL while it waits (``_lock_gil``; CuPy's idiom). ``gm_alloc_gil``/``gm_free_gil`` are
   the GIL-holding variants of ``gm_alloc``/``gm_free``; nogil callers use the plain ones.
+
+Front caches (threads that scale, see pool.pxd): ``gm_free`` keeps a block (up to 4 MiB), still
+carved, in the calling thread's front cache (one of GM_NSHARDS, given out round-robin), and
+``gm_alloc`` of the same (stream, rounded size) takes it back without the pool lock. Each front
+cache has its own lock (taken before the pool lock, never after) and its own counters, one cache
+line away from the others. The pool counts a front-cached block as in use; ``counters()``,
+``in_use_bytes``, ``segments()``, ``largest_free_block()`` and ``check_invariants()`` fold the
+front caches in, and ``release_free_segments()``/``excess_free_segments()`` (empty_cache, the OOM
+ladder, trimming) flush them first. The GIL-holding path takes from its thread's front cache
+but always frees to the pool, so Python-only use never fills one.
+
+History: alloc/free events go to C rings (gm_ring), the pool's under the pool lock and each front
+cache's under its own lock; ``history()`` copies them out under all locks and merges by time.
 """
 cimport cython
 from libc.stdint cimport uint64_t, int64_t, SIZE_MAX
 from libc.stdlib cimport malloc, calloc, free, realloc
+from libc.string cimport memset, memcpy
+
+cdef extern from "<stdlib.h>" nogil:
+    void* aligned_alloc(size_t alignment, size_t size)
 from libcpp.atomic cimport atomic, memory_order_relaxed, memory_order_acquire, memory_order_release
 
 cdef extern from *:
     """
     #include <sched.h>
+    #include <time.h>
     #include <atomic>
     static inline int gm_clz64(unsigned long long x) { return __builtin_clzll(x); }
     static inline int gm_ctz64(unsigned long long x) { return __builtin_ctzll(x); }
@@ -44,7 +62,25 @@ cdef extern from *:
     template <typename A, typename V> static inline void gm_max(A &c, V v) {
         if (c.load(std::memory_order_relaxed) < v) c.store(v, std::memory_order_relaxed);
     }
+    static inline unsigned long long gm_coarse_ns(void) {
+        struct timespec ts;
+        clock_gettime(CLOCK_MONOTONIC_COARSE, &ts);
+        return (unsigned long long)ts.tv_sec * 1000000000ULL + (unsigned long long)ts.tv_nsec;
+    }
+    // A small number per thread, handed out round-robin on the thread's first call: it picks
+    // the thread's front cache, so the first GM_NSHARDS threads never share one.
+    static std::atomic<unsigned> gm_thread_counter{0};
+    // initial-exec: a plain %fs-relative load instead of a __tls_get_addr call on every
+    // gm_alloc/gm_free (about 2 ns each here); 4 bytes of the static TLS surplus that glibc
+    // keeps for dlopen'ed modules (jemalloc and tcmalloc do the same)
+    static thread_local int gm_thread_no __attribute__((tls_model("initial-exec"))) = -1;
+    static inline unsigned gm_thread_index(void) {
+        if (gm_thread_no < 0) gm_thread_no = (int)(gm_thread_counter.fetch_add(1) & 0x7fffffff);
+        return (unsigned)gm_thread_no;
+    }
     """
+    unsigned gm_thread_index() nogil
+    unsigned long long gm_coarse_ns() nogil
     int gm_clz64(unsigned long long x) nogil
     int gm_ctz64(unsigned long long x) nogil
     void gm_add(atomic[size_t]& c, size_t v) nogil
@@ -78,6 +114,33 @@ cdef inline void _lock_gil(gm_pool* p) noexcept:
         return
     with nogil:
         _lock(p)
+
+
+# ---------------------------------------------------------------------------------------------
+# history rings (gm_ring in pool.pxd): each is written under one lock, the one that guards it
+cdef inline void _record(gm_ring* r, uint64_t op, uint64_t id, size_t size,
+                         uint64_t stream) noexcept nogil:
+    cdef gm_event* e
+    if r.events == NULL:
+        return
+    e = &r.events[r.count & (r.capacity - 1)]
+    e.t_ns = gm_coarse_ns()
+    e.id = id
+    e.size_op = size | (op << 63)
+    e.stream = stream
+    r.count += 1
+
+cdef inline void _ring_init(gm_ring* r, size_t capacity) noexcept nogil:
+    """Start recording into r with room for `capacity` events (a power of two; 0: off). The
+    caller holds r's lock. Stays off when host memory runs out."""
+    free(r.events)
+    r.events = NULL
+    r.count = 0
+    r.capacity = capacity
+    if capacity:
+        r.events = <gm_event*>malloc(sizeof(gm_event) * capacity)
+        if r.events == NULL:
+            r.capacity = 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -189,7 +252,7 @@ cdef gm_block* _new_block(gm_pool* p) noexcept nogil:
                 return NULL
             p.chunks = grown
             p.chunks_cap = p.chunks_cap * 2 + 8
-        chunk = <gm_block*>malloc(sizeof(gm_block) * _BLOCK_CHUNK)
+        chunk = <gm_block*>aligned_alloc(64, sizeof(gm_block) * _BLOCK_CHUNK)
         if chunk == NULL:
             return NULL
         p.chunks[p.nchunks] = chunk
@@ -289,6 +352,7 @@ cdef int _carve(gm_pool* p, gm_block* b, size_t s, size_t requested, uint64_t st
     b.heap_index = -1
     b.serial = p.stats.next_serial.load(memory_order_relaxed) + 1
     p.stats.next_serial.store(b.serial, memory_order_relaxed)
+    _record(&p.history, 0, b.serial, requested, stream)
     b.segment.live_blocks += 1
     gm_add(p.stats.in_use_bytes, b.size)
     gm_add(p.stats.requested_bytes, requested)
@@ -325,7 +389,7 @@ cdef inline void _coalesce_insert(gm_pool* p, gm_block* b, int hi) noexcept nogi
 
 
 # ---------------------------------------------------------------------------------------------
-# the public C API
+# allocation and free with the pool lock held
 cdef size_t gm_round(const gm_pool* p, size_t nbytes) noexcept nogil:
     cdef size_t g = p.cfg.granularity
     if nbytes == 0:
@@ -363,29 +427,200 @@ cdef inline int _free_locked(gm_pool* p, gm_block* b, uint64_t serial) noexcept 
     gm_sub(p.stats.requested_bytes, b.requested)
     gm_sub(p.stats.active_blocks, 1)
     gm_add(p.stats.num_frees, 1)
+    _record(&p.history, 1, serial, b.requested, b.stream)
     b.serial = 0
     b.requested = 0
     b.segment.live_blocks -= 1
     _coalesce_insert(p, b, hi)
     return GM_OK
 
-cdef int gm_alloc(gm_pool* p, size_t nbytes, uint64_t stream, gm_block** out) noexcept nogil:
-    cdef int rc
-    out[0] = NULL
-    _lock(p)
-    rc = _alloc_locked(p, nbytes, stream, out)
+# ---------------------------------------------------------------------------------------------
+# front caches (see pool.pxd): a shard's lock is taken before the pool's, never after
+cdef inline gm_shard* _my_shard(gm_pool* p) noexcept nogil:
+    return &p.shards[gm_thread_index() % GM_NSHARDS]
+
+cdef inline void _shard_lock(gm_shard* sh) noexcept nogil:
+    cdef int spins = 0
+    while sh.lock.exchange(1, memory_order_acquire):
+        while sh.lock.load(memory_order_relaxed):
+            spins += 1
+            if spins >= 64:
+                sched_yield()
+                spins = 0
+
+cdef inline void _shard_lock_gil(gm_shard* sh) noexcept:
+    if not sh.lock.exchange(1, memory_order_acquire):
+        return
+    with nogil:
+        _shard_lock(sh)
+
+cdef inline void _shard_unlock(gm_shard* sh) noexcept nogil:
+    sh.lock.store(0, memory_order_release)
+
+cdef inline gm_front_bin* _bin(gm_shard* sh, size_t s, uint64_t stream) noexcept nogil:
+    return &sh.bins[((s >> 9) ^ (s >> 14) ^ stream ^ (stream >> 8)) & (GM_FRONT_BINS - 1)]
+
+cdef inline gm_block* _front_take(gm_pool* p, gm_shard* sh, size_t s, size_t nbytes,
+                                  uint64_t stream) noexcept nogil:
+    """A block of the shard's bin for (stream, s), made live; NULL if the bin has none or the
+    shard's serials are used up (the caller's pool path then tops them up). Shard lock held,
+    not the pool's."""
+    cdef gm_front_bin* bin = _bin(sh, s, stream)
+    cdef gm_block* b
+    if (bin.count == 0 or bin.size != s or bin.stream != stream
+            or sh.serial_next == sh.serial_end):
+        return NULL
+    bin.count -= 1
+    b = bin.blocks[bin.count]
+    b.serial = sh.serial_next
+    sh.serial_next += 1
+    b.requested = nbytes
+    if sh.history.events == NULL and p.history_capacity.load(memory_order_relaxed):
+        _ring_init(&sh.history, p.history_capacity.load(memory_order_relaxed))
+    _record(&sh.history, 0, b.serial, nbytes, stream)
+    gm_sub(sh.cached_bytes, b.size)
+    gm_sub(sh.cached_blocks, 1)
+    gm_add(sh.requested_delta, nbytes)
+    gm_add(sh.allocs, 1)
+    return b
+
+cdef inline void _top_up_serials(gm_pool* p, gm_shard* sh) noexcept nogil:
+    """Both locks held: a fresh range of 256 serials for the shard once it has used its own
+    (every writer of next_serial holds the pool lock, so a plain load+store is enough)."""
+    cdef uint64_t serial
+    if sh.serial_next == sh.serial_end:
+        serial = p.stats.next_serial.load(memory_order_relaxed)
+        p.stats.next_serial.store(serial + 256, memory_order_relaxed)
+        sh.serial_next = serial + 1
+        sh.serial_end = serial + 257
+
+cdef inline int _alloc_from_pool(gm_pool* p, gm_shard* sh, size_t nbytes, uint64_t stream,
+                                gm_block** out) noexcept nogil:
+    """Both locks held, after a front-cache miss: top up the shard's serials (the miss may have
+    been for want of them, then the front cache serves after all), else the pool's heaps."""
+    cdef gm_block* b
+    if sh.serial_next == sh.serial_end:
+        _top_up_serials(p, sh)
+        b = _front_take(p, sh, gm_round(p, nbytes), nbytes, stream)
+        if b != NULL:
+            out[0] = b
+            return GM_OK
+    return _alloc_locked(p, nbytes, stream, out)
+
+cdef inline bint _front_put(gm_pool* p, gm_shard* sh, gm_block* b) noexcept nogil:
+    """Keep the live block b (already validated) in the shard's bins; False when it does not
+    belong there (a full bin, or the shard's byte budget spent: that also bounds the size of a
+    block a front cache can hold)."""
+    cdef size_t s
+    cdef gm_front_bin* bin
+    if sh.cached_bytes.load(memory_order_relaxed) + b.size > GM_FRONT_BYTES:
+        return False
+    s = gm_round(p, b.requested)
+    bin = _bin(sh, s, b.stream)
+    if bin.count == 0:
+        bin.size = s
+        bin.stream = b.stream
+    elif bin.size != s or bin.stream != b.stream or bin.count == GM_FRONT_DEPTH:
+        return False
+    bin.blocks[bin.count] = b
+    bin.count += 1
+    if sh.history.events == NULL and p.history_capacity.load(memory_order_relaxed):
+        _ring_init(&sh.history, p.history_capacity.load(memory_order_relaxed))
+    _record(&sh.history, 1, b.serial, b.requested, b.stream)
+    gm_add(sh.cached_bytes, b.size)
+    gm_add(sh.cached_blocks, 1)
+    gm_sub(sh.requested_delta, b.requested)
+    gm_add(sh.frees, 1)
+    b.serial = 0
+    b.requested = 0
+    return True
+
+cdef void _flush_shard(gm_pool* p, gm_shard* sh) noexcept nogil:
+    """Return every block of the shard's bins to the pool's heaps (both locks held)."""
+    cdef int i, j
+    cdef gm_front_bin* bin
+    cdef gm_block* b
+    for i in range(GM_FRONT_BINS):
+        bin = &sh.bins[i]
+        for j in range(bin.count):
+            b = bin.blocks[j]
+            gm_sub(sh.cached_bytes, b.size)
+            gm_sub(sh.cached_blocks, 1)
+            gm_sub(p.stats.in_use_bytes, b.size)
+            gm_sub(p.stats.active_blocks, 1)
+            b.segment.live_blocks -= 1
+            _coalesce_insert(p, b, 2 * _slot(p, b.stream) + (0 if b.segment.is_small else 1))
+        bin.count = 0
+        bin.size = 0
+
+cdef void _lock_all_gil(gm_pool* p) noexcept:
+    """Every shard's lock, then the pool's (GIL held: never spins with it)."""
+    cdef int i
+    for i in range(GM_NSHARDS):
+        _shard_lock_gil(&p.shards[i])
+    _lock_gil(p)
+
+cdef void _unlock_all(gm_pool* p) noexcept nogil:
+    cdef int i
     _unlock(p)
+    for i in range(GM_NSHARDS):
+        _shard_unlock(&p.shards[i])
+
+
+# ---------------------------------------------------------------------------------------------
+# the public C API
+cdef int gm_alloc(gm_pool* p, size_t nbytes, uint64_t stream, gm_block** out) noexcept nogil:
+    cdef gm_shard* sh = _my_shard(p)
+    cdef gm_block* b
+    cdef int rc
+    _shard_lock(sh)
+    b = _front_take(p, sh, gm_round(p, nbytes), nbytes, stream)
+    if b != NULL:
+        _shard_unlock(sh)
+        out[0] = b
+        return GM_OK
+    out[0] = NULL
+    _lock(p)                          # shard lock kept: it comes first in the lock order
+    rc = _alloc_from_pool(p, sh, nbytes, stream, out)
+    _unlock(p)
+    _shard_unlock(sh)
     return rc
 
 cdef int gm_free(gm_pool* p, gm_block* b, uint64_t serial) noexcept nogil:
+    cdef gm_shard* sh
     cdef int rc
+    # a live block's serial, stream, size and segment change only when its owner frees it
+    if serial == 0 or b.serial != serial or b.heap_index != -1:
+        return GM_BAD_BLOCK
+    sh = _my_shard(p)
+    _shard_lock(sh)
+    if _front_put(p, sh, b):
+        _shard_unlock(sh)
+        return GM_OK
+    _shard_unlock(sh)
     _lock(p)
     rc = _free_locked(p, b, serial)
     _unlock(p)
     return rc
 
 cdef int gm_alloc_gil(gm_pool* p, size_t nbytes, uint64_t stream, gm_block** out) noexcept:
+    cdef gm_shard* sh = _my_shard(p)
+    cdef gm_block* b
     cdef int rc
+    if sh.cached_blocks.load(memory_order_relaxed):
+        # this thread's front cache has blocks (nogil gm_free calls put them there): use them
+        _shard_lock_gil(sh)
+        b = _front_take(p, sh, gm_round(p, nbytes), nbytes, stream)
+        if b != NULL:
+            _shard_unlock(sh)
+            out[0] = b
+            return GM_OK
+        out[0] = NULL
+        _lock_gil(p)
+        rc = _alloc_from_pool(p, sh, nbytes, stream, out)
+        _unlock(p)
+        _shard_unlock(sh)
+        return rc
     out[0] = NULL
     _lock_gil(p)
     rc = _alloc_locked(p, nbytes, stream, out)
@@ -438,11 +673,16 @@ cdef gm_segment* _link_new_segment(gm_pool* p, uint64_t handle, size_t base, siz
 
 
 cdef size_t _largest_free(gm_pool* p) noexcept nogil:
-    """The biggest free block (lock held): the highest non-empty class of each heap."""
+    """The biggest free block (all locks held): the highest non-empty class of each heap, and
+    the blocks in front caches."""
     cdef gm_heap* h
     cdef gm_block* b
     cdef size_t best = 0
-    cdef int i, w, c
+    cdef int i, w, c, j
+    for i in range(GM_NSHARDS):
+        for c in range(GM_FRONT_BINS):
+            for j in range(p.shards[i].bins[c].count):
+                best = max(best, p.shards[i].bins[c].blocks[j].size)
     for i in range(p.nheaps):
         h = p.heaps[i]
         if h.top == 0:
@@ -540,8 +780,13 @@ _COUNTER_NAMES = ("reserved_bytes", "in_use_bytes", "requested_bytes", "peak_in_
                   "num_frees", "hits", "misses", "segments_created", "segments_released",
                   "whole_free_bytes")
 
-cdef void _read_counters(gm_stats* st, size_t* v) noexcept nogil:
-    """The counters in _COUNTER_NAMES order."""
+cdef void _read_counters(gm_pool* p, size_t* v) noexcept nogil:
+    """The counters in _COUNTER_NAMES order, front caches folded in: the pool counts a block in
+    a front cache as in use, the user does not. The pool's counters are read before the
+    shards', so a block moving meanwhile can only make in_use look higher, never negative."""
+    cdef gm_stats* st = &p.stats
+    cdef size_t fbytes = 0, fblocks = 0, freq = 0, fallocs = 0, ffrees = 0
+    cdef int i
     v[0] = st.reserved_bytes.load()
     v[1] = st.in_use_bytes.load()
     v[2] = st.requested_bytes.load()
@@ -556,6 +801,18 @@ cdef void _read_counters(gm_stats* st, size_t* v) noexcept nogil:
     v[11] = st.segments_created.load()
     v[12] = st.segments_released.load()
     v[13] = st.whole_free_bytes.load()
+    for i in range(GM_NSHARDS):
+        fbytes += p.shards[i].cached_bytes.load()
+        fblocks += p.shards[i].cached_blocks.load()
+        freq += p.shards[i].requested_delta.load()
+        fallocs += p.shards[i].allocs.load()
+        ffrees += p.shards[i].frees.load()
+    v[1] = v[1] - fbytes if v[1] > fbytes else 0
+    v[2] = v[2] + freq if <long long>(v[2] + freq) > 0 else 0
+    v[5] = v[5] - fblocks if v[5] > fblocks else 0
+    v[7] += fallocs
+    v[8] += ffrees
+    v[9] += fallocs
 
 
 # Findings of check_invariants: a code and up to three numbers each; the text is formatted after
@@ -622,9 +879,12 @@ cdef void _walk_invariants(gm_pool* p, _findings* f) noexcept nogil:
     cdef size_t reserved = 0, in_use = 0, requested = 0, nseg = 0, live = 0, seg_live
     cdef size_t list_free_blocks = 0, free_blocks = 0
     cdef size_t hbytes, hcount, offset, whole_free = 0
-    cdef int i, c
+    cdef size_t fronted = 0, fronted_bytes = 0, binned = 0, binned_bytes = 0
+    cdef size_t v[_NCOUNTERS]
+    cdef int i, c, j
     cdef bint nonempty
     cdef gm_stats* st = &p.stats
+    cdef gm_front_bin* bin
     s = p.segments
     while s != NULL:
         nseg += 1
@@ -645,11 +905,13 @@ cdef void _walk_invariants(gm_pool* p, _findings* f) noexcept nogil:
                 _note(f, 4, s.handle, b.next.offset)
             offset = b.offset + b.size
             if b.heap_index == -1:
-                if b.serial == 0:
-                    _note(f, 5, s.handle, b.offset)
-                seg_live += 1
-                in_use += b.size
-                requested += b.requested
+                seg_live += 1         # live, or in a front cache (serial 0): out of the heaps
+                if b.serial != 0:
+                    in_use += b.size
+                    requested += b.requested
+                else:
+                    fronted += 1
+                    fronted_bytes += b.size
             elif b.heap_index >= 0 and b.heap_index < p.nheaps:
                 free_blocks += 1
                 if b.serial != 0:
@@ -702,20 +964,39 @@ cdef void _walk_invariants(gm_pool* p, _findings* f) noexcept nogil:
         list_free_blocks += hcount
     if list_free_blocks != free_blocks:
         _note(f, 21, free_blocks, list_free_blocks)
-    if st.reserved_bytes.load() != reserved:
-        _note(f, 22, st.reserved_bytes.load(), reserved)
-    if st.in_use_bytes.load() != in_use:
-        _note(f, 23, st.in_use_bytes.load(), in_use)
-    if st.requested_bytes.load() != requested:
-        _note(f, 24, st.requested_bytes.load(), requested)
-    if st.active_blocks.load() != live:
-        _note(f, 25, st.active_blocks.load(), live)
-    if st.num_segments.load() != nseg:
-        _note(f, 26, st.num_segments.load(), nseg)
-    if st.whole_free_bytes.load() != whole_free:
-        _note(f, 27, st.whole_free_bytes.load(), whole_free)
-    if st.num_allocs.load() - st.num_frees.load() != live:
-        _note(f, 28, st.num_allocs.load() - st.num_frees.load(), live)
+    for i in range(GM_NSHARDS):
+        hbytes = 0
+        for c in range(GM_FRONT_BINS):
+            bin = &p.shards[i].bins[c]
+            for j in range(bin.count):
+                b = bin.blocks[j]
+                if (b.heap_index != -1 or b.serial != 0 or b.stream != bin.stream
+                        or b.size < bin.size):
+                    _note(f, 29, i, c, b.offset)
+                hbytes += b.size
+                binned += 1
+        if hbytes != p.shards[i].cached_bytes.load():
+            _note(f, 30, i, p.shards[i].cached_bytes.load(), hbytes)
+        binned_bytes += hbytes
+    if binned != fronted or binned_bytes != fronted_bytes:
+        _note(f, 31, fronted, binned)
+    _read_counters(p, v)                  # the user's view: front-cached blocks are not in use
+    if v[0] != reserved:
+        _note(f, 22, v[0], reserved)
+    if v[1] != in_use:
+        _note(f, 23, v[1], in_use)
+    if v[2] != requested:
+        _note(f, 24, v[2], requested)
+    if v[5] != live - fronted:
+        _note(f, 25, v[5], live - fronted)
+    if v[6] != nseg:
+        _note(f, 26, v[6], nseg)
+    if v[13] != whole_free:
+        _note(f, 27, v[13], whole_free)
+    if v[7] - v[8] != live - fronted:
+        _note(f, 28, v[7] - v[8], live - fronted)
+    if st.in_use_bytes.load() != in_use + binned_bytes:
+        _note(f, 32, st.in_use_bytes.load(), in_use + binned_bytes)
 
 
 cdef inline size_t _round_up(size_t n, size_t to) noexcept nogil:
@@ -736,6 +1017,46 @@ cdef inline gm_block* _last_block(gm_segment* seg) noexcept nogil:
     return b
 
 
+_MAX_HISTORY = 1 << 30          # events per ring (32 GiB): a bound against typos, not a budget
+
+
+def _event_dtype():
+    import numpy as np
+    return np.dtype([("t_ns", "<u8"), ("id", "<u8"), ("size_op", "<u8"), ("stream", "<u8")])
+
+
+def _allocs_before_frees(ops, ids):
+    """An order (index array) of the events with each free after its allocation. Events of two
+    rings with the same coarse time can sort a free before its allocation (a block allocated
+    on one thread and freed on another within one clock tick): such a free moves to just after
+    its allocation. Rare, so done in Python."""
+    import numpy as np
+    n = len(ops)
+    allocs = np.flatnonzero(ops == 0)
+    frees = np.flatnonzero(ops == 1)
+    if len(allocs) == 0 or len(frees) == 0:
+        return np.arange(n)
+    by_id = np.argsort(ids[allocs], kind="stable")
+    ids_sorted = ids[allocs][by_id]
+    where = np.minimum(np.searchsorted(ids_sorted, ids[frees]), len(ids_sorted) - 1)
+    matched = ids_sorted[where] == ids[frees]
+    alloc_pos = np.where(matched, allocs[by_id][where], -1)
+    late = frees[alloc_pos > frees]
+    if len(late) == 0:
+        return np.arange(n)
+    fix = dict(zip(frees.tolist(), alloc_pos.tolist()))
+    moved = set(late.tolist())
+    after: dict = {}
+    for f in late.tolist():
+        after.setdefault(fix[f], []).append(f)
+    out = []
+    for i in range(n):
+        if i not in moved:
+            out.append(i)
+            out.extend(after.get(i, ()))
+    return np.asarray(out, dtype=np.int64)
+
+
 @cython.final
 cdef class CachingPool:
     """Segments and blocks of one device, without the device: the manager feeds it segments.
@@ -748,7 +1069,7 @@ cdef class CachingPool:
                   size_t small_segment=2 << 20, size_t large_segment=20 << 20,
                   size_t large_threshold=10 << 20, size_t large_round=2 << 20,
                   max_split_size=None, size_t large_split_min=1 << 20,
-                  size_t oversize_slack=20 << 20):
+                  size_t oversize_slack=20 << 20, history_events=100_000):
         if granularity == 0 or granularity & (granularity - 1):
             raise ValueError(f"granularity must be a power of two, got {granularity}")
         if small_size > small_segment:
@@ -771,6 +1092,13 @@ cdef class CachingPool:
         self._p.last_slot = -1
         if _register_stream(self._p, 0) < 0:
             raise MemoryError("cannot allocate the default stream's heaps")
+        # aligned_alloc wants a multiple of the alignment
+        self._p.shards = <gm_shard*>aligned_alloc(
+            64, _round_up(sizeof(gm_shard) * GM_NSHARDS, 64))
+        if self._p.shards == NULL:
+            raise MemoryError("cannot allocate the front caches")
+        memset(self._p.shards, 0, sizeof(gm_shard) * GM_NSHARDS)
+        self.set_history(history_events)
 
     def __dealloc__(self):
         cdef gm_segment* s
@@ -789,6 +1117,11 @@ cdef class CachingPool:
         for i in range(self._p.nheaps):
             free(self._p.heaps[i])
         free(self._p.heaps)
+        free(self._p.history.events)
+        if self._p.shards != NULL:
+            for i in range(GM_NSHARDS):
+                free(self._p.shards[i].history.events)
+        free(self._p.shards)
         free(self._p)
         self._p = NULL
 
@@ -1077,7 +1410,10 @@ cdef class CachingPool:
         cdef gm_segment* best
         cdef size_t released = 0, n = 0
         cdef _segdesc* out
-        _lock_gil(p)
+        cdef int i
+        _lock_all_gil(p)
+        for i in range(GM_NSHARDS):       # what the front caches hold can be released too
+            _flush_shard(p, &p.shards[i])
         out = <_segdesc*>malloc(sizeof(_segdesc) * (_count_free_segments(p) + 1))
         while out != NULL and released < max_bytes:
             best = NULL
@@ -1092,7 +1428,7 @@ cdef class CachingPool:
             released += best.size
             _detach_segment(p, best, &out[n])
             n += 1
-        _unlock(p)
+        _unlock_all(p)
         if out == NULL:
             raise MemoryError("cannot list the segments to release")
         try:
@@ -1112,7 +1448,9 @@ cdef class CachingPool:
         cdef int c
         if seen == NULL:
             raise MemoryError("cannot count the segments per class")
-        _lock_gil(p)
+        _lock_all_gil(p)
+        for c in range(GM_NSHARDS):
+            _flush_shard(p, &p.shards[c])
         out = <_segdesc*>malloc(sizeof(_segdesc) * (_count_free_segments(p) + 1))
         s = p.segments if out != NULL else NULL       # newest first
         while s != NULL:
@@ -1124,7 +1462,7 @@ cdef class CachingPool:
                     _detach_segment(p, s, &out[n])
                     n += 1
             s = nxt
-        _unlock(p)
+        _unlock_all(p)
         free(seen)
         if out == NULL:
             raise MemoryError("cannot list the segments to release")
@@ -1132,6 +1470,19 @@ cdef class CachingPool:
             return _desc_list(out, n)
         finally:
             free(out)
+
+    def flush_front_caches(self) -> int:
+        """Return the blocks of every thread's front cache to the pool (merging them with
+        their neighbours); the bytes returned. release_free_segments does this first."""
+        cdef gm_pool* p = self._p
+        cdef size_t before = 0
+        cdef int i
+        _lock_all_gil(p)
+        for i in range(GM_NSHARDS):
+            before += p.shards[i].cached_bytes.load()
+            _flush_shard(p, &p.shards[i])
+        _unlock_all(p)
+        return before
 
     def restore_segment(self, uint64_t handle, size_t base, size_t size, bint is_small,
                         uint64_t stream) -> None:
@@ -1171,19 +1522,21 @@ cdef class CachingPool:
 
     # --- statistics ---------------------------------------------------------------------------
     def counters(self, bint consistent=False) -> dict:
-        """Every counter. By default read without the lock (each value exact, the set not one
-        moment); with consistent=True copied under the lock, one moment, together with
+        """Every counter, as the user sees them (blocks in front caches are cached, not in use;
+        ``peak_in_use_bytes`` counts them as in use, so it may exceed the true peak by at most
+        what the front caches hold). By default read without the locks (each value exact
+        unless a block moves between a front cache and the pool meanwhile, the set not one
+        moment); with consistent=True copied under the locks, one moment, together with
         ``largest_free_block``."""
-        cdef gm_stats* st = &self._p.stats
         cdef size_t v[_NCOUNTERS]
         cdef size_t largest = 0
         if consistent:
-            _lock_gil(self._p)
-            _read_counters(st, v)
+            _lock_all_gil(self._p)
+            _read_counters(self._p, v)
             largest = _largest_free(self._p)
-            _unlock(self._p)
+            _unlock_all(self._p)
         else:
-            _read_counters(st, v)
+            _read_counters(self._p, v)
         out = {name: v[i] for i, name in enumerate(_COUNTER_NAMES)}
         if consistent:
             out["largest_free_block"] = largest
@@ -1200,7 +1553,10 @@ cdef class CachingPool:
 
     @property
     def in_use_bytes(self) -> int:
-        return self._p.stats.in_use_bytes.load()
+        """Bytes in live blocks (not counting blocks kept in front caches)."""
+        cdef size_t v[_NCOUNTERS]
+        _read_counters(self._p, v)
+        return v[1]
 
     @property
     def peak_reserved_bytes(self) -> int:
@@ -1215,23 +1571,106 @@ cdef class CachingPool:
     def largest_free_block(self) -> int:
         """Size of the biggest cached free block (0 if none); shows fragmentation."""
         cdef size_t best
-        _lock_gil(self._p)
+        _lock_all_gil(self._p)
         best = _largest_free(self._p)
-        _unlock(self._p)
+        _unlock_all(self._p)
         return best
+
+    # --- history ------------------------------------------------------------------------------
+    def set_history(self, events) -> None:
+        """Keep the newest `events` alloc/free events (at least; rounded up to a power of two)
+        in C rings; 0 turns recording off. Forgets what was recorded."""
+        cdef gm_pool* p = self._p
+        cdef size_t cap = 0
+        cdef int i
+        if (isinstance(events, bool) or not isinstance(events, int)
+                or not 0 <= events <= _MAX_HISTORY):
+            from gpumem.errors import InvalidInputError
+            raise InvalidInputError(f"history_events must be an int in [0, {_MAX_HISTORY}], "
+                                    f"got {events!r}")
+        if events:
+            cap = 1
+            while cap < events:
+                cap <<= 1
+        _lock_all_gil(p)
+        p.history_capacity.store(cap)
+        _ring_init(&p.history, cap)
+        for i in range(GM_NSHARDS):
+            _ring_init(&p.shards[i].history, 0)     # front caches start theirs when used
+        failed = cap != 0 and p.history.events == NULL
+        _unlock_all(p)
+        if failed:
+            raise MemoryError(f"cannot allocate a history of {cap} events")
+
+    @property
+    def history_capacity(self) -> int:
+        """Events kept per ring (0: history off)."""
+        return self._p.history_capacity.load()
+
+    def history(self, last=None) -> dict:
+        """The recorded events, oldest first, as numpy arrays ``t_ns`` (CLOCK_MONOTONIC_COARSE
+        nanoseconds), ``op`` (0 alloc, 1 free), ``id``, ``size`` (bytes requested), ``stream``;
+        only the newest `last` if given. Events of different threads are ordered by time, each
+        free after its allocation."""
+        import numpy as np
+        cdef gm_pool* p = self._p
+        cdef gm_ring* rings[GM_NSHARDS + 1]
+        cdef size_t counts[GM_NSHARDS + 1]
+        cdef size_t total = 0, k, j, start, n
+        cdef gm_event* buf
+        cdef unsigned char[::1] dst
+        cdef int i
+        rings[0] = &p.history
+        for i in range(GM_NSHARDS):
+            rings[i + 1] = &p.shards[i].history
+        _lock_all_gil(p)
+        for i in range(GM_NSHARDS + 1):
+            counts[i] = min(rings[i].count, rings[i].capacity) if rings[i].events != NULL else 0
+            total += counts[i]
+        buf = <gm_event*>malloc(sizeof(gm_event) * (total + 1))
+        if buf != NULL:
+            k = 0
+            for i in range(GM_NSHARDS + 1):
+                n = counts[i]
+                start = rings[i].count - n
+                for j in range(n):
+                    buf[k] = rings[i].events[(start + j) & (rings[i].capacity - 1)]
+                    k += 1
+        _unlock_all(p)
+        if buf == NULL:
+            raise MemoryError("cannot copy the history")
+        try:
+            raw = np.empty(total, dtype=_event_dtype())
+            if total:
+                dst = raw.view(np.uint8)
+                memcpy(&dst[0], buf, sizeof(gm_event) * total)
+        finally:
+            free(buf)
+        ring = np.repeat(np.arange(GM_NSHARDS + 1), [counts[i] for i in range(GM_NSHARDS + 1)])
+        order = np.lexsort((np.arange(total), ring, raw["t_ns"]))   # by time, then ring order
+        raw = raw[order]
+        ops = (raw["size_op"] >> np.uint64(63)).astype(np.uint8)
+        sizes = (raw["size_op"] & np.uint64((1 << 63) - 1)).astype(np.int64)
+        keep = _allocs_before_frees(ops, raw["id"])
+        if last is not None:
+            keep = keep[max(0, len(keep) - int(last)):]
+        return {"t_ns": raw["t_ns"][keep].astype(np.int64), "op": ops[keep],
+                "id": raw["id"][keep].astype(np.int64), "size": sizes[keep],
+                "stream": raw["stream"][keep]}
 
     # --- introspection ------------------------------------------------------------------------
     def segments(self) -> list:
-        """Every segment with its blocks in address order, as plain dicts (for snapshots)."""
+        """Every segment with its blocks in address order, as plain dicts (for snapshots). A
+        block kept in a front cache is "free" (cached), though not merged with its neighbours."""
         cdef gm_pool* p = self._p
         cdef gm_segment* s
         cdef gm_block* b
         cdef _segrow* segs = NULL
         cdef _blockrow* blocks = NULL
         cdef size_t nseg = 0, nblk = 0, i, j = 0, k
-        _lock_gil(p)
+        _lock_all_gil(p)
         s = p.segments
-        while s != NULL:                  # count, then copy: all in C, under the lock
+        while s != NULL:                  # count, then copy: all in C, under the locks
             nseg += 1
             b = s.first
             while b != NULL:
@@ -1255,7 +1694,7 @@ cdef class CachingPool:
                     blocks[j].offset = b.offset
                     blocks[j].size = b.size
                     blocks[j].requested = b.requested
-                    blocks[j].allocated = b.heap_index == -1
+                    blocks[j].allocated = b.heap_index == -1 and b.serial != 0
                     blocks[j].stream = b.stream
                     blocks[j].serial = b.serial
                     j += 1
@@ -1263,7 +1702,7 @@ cdef class CachingPool:
                 segs[i].nblocks = j - segs[i].first_row
                 i += 1
                 s = s.next
-        _unlock(p)
+        _unlock_all(p)
         try:
             if segs == NULL or blocks == NULL:
                 raise MemoryError("cannot copy the segment table")
@@ -1295,9 +1734,9 @@ cdef class CachingPool:
         cdef size_t i
         f.n = 0
         f.total = 0
-        _lock_gil(self._p)
+        _lock_all_gil(self._p)
         _walk_invariants(self._p, &f)
-        _unlock(self._p)
+        _unlock_all(self._p)
         if f.total:
             errors = [_FINDINGS[f.items[i].code].format(f.items[i].a, f.items[i].b,
                                                         f.items[i].c)
