@@ -52,4 +52,9 @@ if [[ ",$EXTRAS," == *",cuda,"* ]]; then
     # before gpumem's build: its CUDA fast path compiles against cuda-python's .pxd files
     pip_install "${CONSTRAINTS[@]}" "cuda-python>=12"
 fi
+# a venv made before the distribution was renamed holds a second, non-editable copy under the
+# old name `gpumem`: remove it, or the `gpumem` command would import that stale copy
+if python -m pip show -q gpumem >/dev/null 2>&1; then
+    python -m pip uninstall -y -q gpumem
+fi
 pip_install "${CONSTRAINTS[@]}" --no-build-isolation -e ".${EXTRAS:+[$EXTRAS]}"
