@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 __all__ = [
     "GpuMemoryError",
@@ -32,13 +33,32 @@ class OutOfMemoryError(GpuMemoryError, MemoryError):
 
     The attributes give the state at the moment of failure so a user can tell an honest
     out-of-memory from fragmentation (``largest_free_block`` far below ``cached``).
-    ``history``: the pool's recent alloc/free events as a ``gpumem.trace.TraceData`` (set by
-    the manager; None when the pool's history is off). ``dump_files``: (trace, snapshot)
-    paths when :func:`gpumem.dump_on_oom` or ``GPUMEM_DUMP_ON_OOM`` asked for a dump.
+    ``history``: the pool's alloc/free events up to the failure (to the history clock's tick,
+    a few ms) as a
+    ``gpumem.trace.TraceData`` (None when the pool's history is off). It is built on first
+    access, so code that catches OutOfMemoryError and retries pays nothing for it.
+    ``dump_files``: (trace, snapshot) paths when :func:`gpumem.dump_on_oom` or
+    ``GPUMEM_DUMP_ON_OOM`` asked for a dump.
     """
 
-    history = None
     dump_files = None
+    _history = None
+    _history_source = None          # a callable building `history` (set by the manager)
+
+    @property
+    def history(self) -> Any:
+        source = self._history_source
+        if source is not None:
+            self._history_source = None
+            try:
+                self._history = source()
+            except Exception:       # the error must stay readable whatever the history does
+                self._history = None
+        return self._history
+
+    @history.setter
+    def history(self, value: Any) -> None:
+        self._history, self._history_source = value, None
 
     def __init__(self, requested: int, *, device: str = "?", free: int | None = None,
                  total: int | None = None, in_use: int = 0, cached: int = 0,
@@ -69,7 +89,10 @@ class OutOfMemoryError(GpuMemoryError, MemoryError):
         # task's exception to the client by pickling it
         fields = {k: getattr(self, k) for k in ("device", "free", "total", "in_use", "cached",
                                                  "limit", "largest_free_block", "reason")}
-        return functools.partial(type(self), **fields), (self.requested,), self.__dict__
+        state = {k: v for k, v in self.__dict__.items() if k != "_history_source"}
+        if self._history_source is not None:
+            state["_history"] = None            # not built here: it would need the pool
+        return functools.partial(type(self), **fields), (self.requested,), state
 
 
 class InvalidInputError(GpuMemoryError, ValueError):

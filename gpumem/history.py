@@ -67,12 +67,19 @@ _dump_set = False
 _dump_count = 0
 
 
-def pool_trace(pool: Any, *, last: int | None = None, name: str = "pool history") -> "TraceData":
-    """The pool's recorded events (the newest `last`) as a TraceData in the shared trace format:
-    ids renumbered 0..N-1 in allocation order, frees whose allocation is not in the history left
-    out, ``t_ns`` from 0 at the first event, a ``stream`` extra column."""
+def pool_trace(pool: Any, *, last: int | None = None, until_ns: int | None = None,
+               name: str = "pool history") -> "TraceData":
+    """The pool's recorded events (the newest `last`, of those recorded up to `until_ns` on the
+    rings' clock if given) as a TraceData in the shared trace format: ids renumbered 0..N-1 in
+    allocation order, frees whose allocation is not in the history left out, ``t_ns`` from 0
+    at the first event, a ``stream`` extra column."""
     from gpumem.trace import OP_ALLOC, TraceData
-    h = pool.history(last)
+    h = pool.history()
+    if until_ns is not None:
+        upto = int(np.searchsorted(h["t_ns"], until_ns, side="right"))
+        h = {k: v[:upto] for k, v in h.items()}
+    if last is not None:
+        h = {k: v[max(0, len(v) - last):] for k, v in h.items()}
     ops, ids = h["op"], h["id"]
     alloc_pos = np.flatnonzero(ops == OP_ALLOC)
     free_pos = np.flatnonzero(ops != OP_ALLOC)
@@ -90,6 +97,32 @@ def pool_trace(pool: Any, *, last: int | None = None, name: str = "pool history"
     return TraceData(t.astype(np.int64), ops[keep].astype(np.uint8), renum[keep],
                      h["size"][keep].astype(np.int64), name=name,
                      extra={"stream": [str(x) for x in h["stream"][keep].tolist()]})
+
+
+def _clock_ns() -> int | None:
+    """Now on the rings' clock (CLOCK_MONOTONIC_COARSE, Linux), or None where it is unknown."""
+    try:
+        return time.clock_gettime_ns(_CLOCK_MONOTONIC_COARSE)
+    except (AttributeError, OSError):
+        return None
+
+
+_CLOCK_MONOTONIC_COARSE = 6           # <time.h> on Linux; Python's time module has no name for it
+
+
+def _history_until_now(manager: Any) -> Any:
+    """A callable building the history of `manager`'s pool up to now (held weakly: an error
+    kept around does not keep its manager alive)."""
+    manager_ref = weakref.ref(manager)
+    until = _clock_ns()
+    name = f"history before an OOM on {manager.device_string}"
+
+    def build() -> "TraceData | None":
+        live = manager_ref()
+        if live is None:
+            return None
+        return pool_trace(live.pool, last=OOM_HISTORY_EVENTS, until_ns=until, name=name)
+    return build
 
 
 def dump_on_oom(directory: Any) -> None:
@@ -123,8 +156,10 @@ def on_oom(manager: Any, err: Any) -> None:
     global _dump_count
     try:
         if manager.pool.history_capacity:
-            err.history = pool_trace(manager.pool, last=OOM_HISTORY_EVENTS,
-                                     name=f"history before an OOM on {manager.device_string}")
+            # built on first access of err.history (a program that catches OOMs and retries
+            # would otherwise pay a copy and sort of the rings per error), from the events up
+            # to now: those recorded later are left out
+            err._history_source = _history_until_now(manager)
         directory = _dump_directory()
         if directory is None:
             return
