@@ -266,16 +266,17 @@ class MissPath:
                 reason += "; CPU fallback refused by malloc(fallback=False)"
         cached = reserved - in_use
         largest = self.pool.largest_free_block()
-        if cached:
+        fits = nbytes <= self.usable_memory      # else how the cache looks is beside the point
+        if cached and fits:
             reason += (f"; {1 - largest / cached:.0%} of the cache is fragmented (outside the "
                        f"largest free block)")
-        if self.device.supports_virtual_memory:
+        if self.device.supports_virtual_memory and fits:
             on = self._expandable is not None
             reason += f"; expandable segments {'on' if on else 'off'}"
             # fragmentation is the cause when the bytes exist but not in one piece: in the
             # cache, or on the device (whose free memory is not one contiguous range)
             fragmented = cached >= nbytes > largest or (free is not None and free >= nbytes)
-            if not on and fragmented and nbytes <= self.usable_memory:
+            if not on and fragmented:
                 reason += (" (enough bytes are free but not in one piece: "
                            "MemoryConfig(expandable_segments=True) lets segments grow in place)")
         err = OutOfMemoryError(nbytes, device=self.device_string, free=free, total=total,
