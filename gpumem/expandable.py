@@ -22,7 +22,9 @@ Thread safety: an :class:`ExpandableSegments` belongs to one MemoryManager and i
 guarded by that manager's ``_slow`` lock (an RLock): growth, trims and releases run with it held
 (the miss path, the release paths, close()), and the queries (:meth:`layout`,
 :meth:`mapped_bytes`, :meth:`trimmable`, which snapshots and a ``free()`` above the cache cap
-call from any thread) take it. The pool's C lock is never held while calling the driver.
+call from any thread) take it. The pool's C lock is never held while calling the driver, so a
+cache hit (which takes only the pool's lock) can take a free tail while a growth maps pages
+for it: :meth:`grow` then maps pages that hold the request alone and asks the pool again.
 """
 from __future__ import annotations
 
@@ -82,62 +84,72 @@ class ExpandableSegments:
         """A Buffer of ``nbytes`` from this stream's segment grown at its end, or None when the
         limits or the driver refuse (nothing changed then). Non-OOM driver errors propagate,
         after the rollback."""
-        mm, pool = self._mm, self._mm.pool
-        rounded = pool.round_size(nbytes)
+        pool = self._mm.pool
         handle = self._by_stream.get(stream)
-        seg = self._segments.get(handle) if handle is not None else None
-        tail = pool.tail_free_bytes(handle, stream) if seg is not None else 0
-        extra = _round_up(max(rounded - tail, 0), self.page)   # 0: the tail fits already
-        reserved = pool.reserved_bytes
-        free, _ = self._dev.mem_get_info()
-        if not mm._segment_allowed(extra, reserved, free):
-            return None
-        if seg is not None and seg.mapped + extra > seg.reserved:
-            return None                      # the reservation is full (usable memory reached)
-        new_segment = seg is None
-        if new_segment:
-            size = _round_up(max(mm.usable_memory, extra), self.page)
-            try:
-                address = self._call(self._dev.vm_reserve, size)
-            except DriverOutOfMemory:
-                return None
-            seg = _Segment(address, size, stream)
-        if new_segment and extra == 0:
-            extra = self.page
+        if handle is None:
+            return self._grow_new(nbytes, stream, tag)
+        seg = self._segments[handle]
+        rounded = pool.round_size(nbytes)
+        free, _ = self._dev.mem_get_info()          # before this growth maps anything
+        # The free tail is read once, without the pool lock held across the driver calls, and
+        # a cache hit on this stream (the hot path takes the pool lock only) can take part of
+        # it meanwhile: the pool then refuses. The second pass maps pages that hold the
+        # request alone, which the pool accepts whatever became of the tail.
+        tail = pool.tail_free_bytes(handle, stream)
         start = seg.mapped
+        for extra in dict.fromkeys((_round_up(max(rounded - tail, 0), self.page),
+                                    _round_up(rounded, self.page))):
+            if (not self._mm._segment_allowed(extra, pool.reserved_bytes, free)
+                    or start + extra > seg.reserved):   # the reservation is usable memory
+                break
+            try:
+                self._map(seg, start + extra - seg.mapped)
+            except DriverOutOfMemory:
+                break
+            except BaseException:
+                self._unmap_to(seg, start)
+                raise
+            # a MemoryError here comes after the pool adopted the pages as a free tail
+            buf = self._mm._alloc_in_grown_segment(handle, extra, nbytes, stream, tag)
+            if buf is not None:
+                return buf
+        self._unmap_to(seg, start)
+        return None
+
+    def _grow_new(self, nbytes: int, stream: int, tag: Any) -> Any:
+        """grow() for a stream without a segment: reserve one and map its first pages."""
+        mm = self._mm
+        extra = _round_up(mm.pool.round_size(nbytes), self.page)
+        free, _ = self._dev.mem_get_info()
+        if not mm._segment_allowed(extra, mm.pool.reserved_bytes, free):
+            return None
+        size = _round_up(max(mm.usable_memory, extra), self.page)
+        try:
+            address = self._call(self._dev.vm_reserve, size)
+        except DriverOutOfMemory:
+            return None
+        seg = _Segment(address, size, stream)
         try:
             self._map(seg, extra)
-        except DriverOutOfMemory:
-            self._unmap_to(seg, start)
-            if new_segment:
-                self._call(self._dev.vm_free, seg.address, seg.reserved)
-            return None
-        except BaseException:
-            self._unmap_to(seg, start)
-            if new_segment:
-                self._call(self._dev.vm_free, seg.address, seg.reserved)
+        except BaseException as exc:
+            self._unreserve(seg)
+            if isinstance(exc, DriverOutOfMemory):
+                return None
             raise
         try:
-            if new_segment:
-                buf = mm._alloc_in_new_segment(seg.address, seg.address, extra, nbytes, stream,
-                                               tag)
-            else:
-                buf = mm._alloc_in_grown_segment(seg.address, extra, nbytes, stream, tag)
-        except MemoryError:
-            if new_segment:                  # the pool did not adopt the segment
-                self._unmap_to(seg, start)
-                self._call(self._dev.vm_free, seg.address, seg.reserved)
-            else:                            # adopted as a free tail: the pages stay
-                pass
+            buf = mm._alloc_in_new_segment(address, address, extra, nbytes, stream, tag)
+        except MemoryError:                # the pool did not adopt the segment
+            self._unreserve(seg)
             raise
-        if buf is None:
-            self._unmap_to(seg, start)
-            return None
-        if new_segment:
-            self._segments[seg.address] = seg
-            self._by_stream[stream] = seg.address
-            self.segment_events += 1
+        self._segments[address] = seg
+        self._by_stream[stream] = address
+        self.segment_events += 1
         return buf
+
+    def _unreserve(self, seg: _Segment) -> None:
+        """Undo a new segment the pool never saw: its pages, then its reservation."""
+        self._unmap_to(seg, 0)
+        self._call(self._dev.vm_free, seg.address, seg.reserved)
 
     def _call(self, fn: Any, *args: Any) -> Any:
         self.driver_calls += 1

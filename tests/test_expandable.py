@@ -227,6 +227,86 @@ def test_threads_with_expandable_segments():
     gpumem_sim.uninstall()
 
 
+def test_a_hit_that_takes_the_free_tail_mid_growth_does_not_fail_the_request(monkeypatch):
+    """The race behind the 1-in-8 OOM of the threaded test: a growth reads the free tail,
+    maps the pages missing beyond it, and meanwhile a cache hit on the same stream (the hot
+    path takes only the pool's lock) takes part of the tail. The growth must still serve the
+    request by mapping pages that hold it alone, not give up with OutOfMemoryError while the
+    device has room (the release rung cannot help: a tail below one chunk is not trimmed)."""
+    dev, mm = sim_manager("1GiB", expandable_segments=True)
+    a = mm.malloc(10 * MiB)
+    b = mm.malloc(8 * MiB)
+    b.free()                                     # an 8 MiB free tail at offset 10 MiB
+    hits = []
+    real_map = dev.vm_map
+
+    def map_while_a_hit_takes_the_tail(*args):
+        if not hits:                             # the first mapping of the growth below
+            t = threading.Thread(target=lambda: hits.append(mm.malloc(6 * MiB)))
+            t.start()
+            t.join(10)
+            assert hits and hits[0].ptr == a.ptr + 10 * MiB, "the hit did not take the tail"
+        return real_map(*args)
+
+    monkeypatch.setattr(dev, "vm_map", map_while_a_hit_takes_the_tail)
+    c = mm.malloc(12 * MiB)                      # tail 8 MiB: maps 4 MiB, then finds 2 MiB
+    monkeypatch.undo()
+    assert mm.stats().num_ooms == 0
+    assert c.ptr == a.ptr + 16 * MiB             # carved from the 2 MiB left + new pages
+    assert mm.pool.reserved_bytes == dev.mapped_bytes == 30 * MiB
+    check(mm, [a, hits[0], c])
+    mm.close()
+    assert _leaks(dev) == (0, 0, 0)
+
+
+def _segment_cached_for_a_busy_stream(dev, mm, n: int) -> int:
+    """Stream 0's expandable segment, wholly free, its one block lent to a second stream
+    that is then busy (so it stays that stream's): the state the state machine reached."""
+    s2 = dev.create_stream()
+    mm.malloc(n).free()                          # stream 0's segment: one page, wholly free
+    mm.malloc(n, stream=s2).free()               # stream 0 idle: its block moves to s2
+    dev.submit(s2)
+    [seg] = mm.pool.segments()
+    assert [b["stream"] for b in seg["blocks"]] == [s2] and mm.pool.whole_free_bytes == PAGE
+    return s2
+
+
+def test_growth_past_a_block_of_another_stream_keeps_whole_free_bytes():
+    """Regression (hypothesis, ExpandablePoolMachine): stream 0 grows its segment while the
+    segment's only block, free, is cached for another stream; the segment is no longer wholly
+    free, and the pool's whole_free_bytes counter (read without the lock by the cache cap
+    and release_before_grow) must say so."""
+    dev, mm = sim_manager("1GiB", expandable_segments=True)
+    _segment_cached_for_a_busy_stream(dev, mm, MiB + 1)
+    c = mm.malloc(MiB + 1)                       # grows the segment past s2's free block
+    [seg] = mm.pool.segments()
+    assert [b["state"] for b in seg["blocks"]] == ["free", "allocated", "free"]
+    assert seg["size"] == 2 * PAGE
+    assert mm.pool.whole_free_bytes == 0
+    check(mm, [c])                               # the pool's own recount agrees
+    c.free()
+    mm.close()
+    assert _leaks(dev) == (0, 0, 0)
+
+
+def test_trim_back_to_a_block_of_another_stream_counts_the_segment_wholly_free():
+    """The converse: a failed batch's undo trims the pages it mapped, which leaves the
+    segment one free block (cached for another stream): whole_free_bytes counts it again,
+    and a later release detaches it with the counter back at 0 (not wrapped below it)."""
+    dev, mm = sim_manager("256MiB", expandable_segments=True)
+    _segment_cached_for_a_busy_stream(dev, mm, MiB + 1)
+    with pytest.raises(OutOfMemoryError):
+        mm.allocate_batch([100 * MiB] * 3)       # two grow the segment, the third cannot fit
+    [seg] = mm.pool.segments()
+    assert seg["size"] == PAGE == dev.mapped_bytes and len(seg["blocks"]) == 1
+    assert mm.pool.whole_free_bytes == PAGE
+    check(mm, [])
+    assert mm.empty_cache() == PAGE and mm.pool.whole_free_bytes == 0
+    check(mm, [])
+    mm.close()
+    assert _leaks(dev) == (0, 0, 0)
+
+
 def test_snapshot_text_and_segment_map_show_mapped_and_unmapped_bytes(tmp_path):
     """A snapshot gives each segment's mapped bytes (its size) and the reserved, unmapped
     address space after it; the text view names it and the segment map draws it."""

@@ -1272,7 +1272,10 @@ cdef class CachingPool:
 
     # --- expandable segments (virtual memory: the segment's end moves) ----------------------
     # The manager (gpumem/expandable.py) maps pages at a segment's end, then grows it here; or
-    # shrinks a free tail here, then unmaps the pages. The pool only sees `size` change.
+    # shrinks a free tail here, then unmaps the pages. The pool only sees `size` change. The
+    # segment's blocks may sit in other streams' heaps (reclaim_idle moves them), so a free
+    # block at offset 0 need not be the segment's last: whole_free_bytes follows each change.
+    # Callers hold the GIL: _lock_gil.
     def tail_free_bytes(self, uint64_t handle, uint64_t stream) -> int:
         """Size of the free block at the end of segment `handle` when it is cached for
         `stream` (growing the segment extends it), else 0."""
@@ -1281,7 +1284,7 @@ cdef class CachingPool:
         cdef gm_block* last
         cdef size_t out = 0
         cdef int k
-        _lock(p)
+        _lock_gil(p)
         seg = _find_segment(p, handle)
         k = _slot(p, stream)
         if seg != NULL and k >= 0:
@@ -1302,7 +1305,7 @@ cdef class CachingPool:
         cdef gm_block* last
         cdef gm_block* tail
         cdef int k, hi
-        _lock(p)
+        _lock_gil(p)
         seg = _find_segment(p, handle)
         k = _slot(p, stream)
         if seg == NULL or k < 0 or extra % p.cfg.granularity:
@@ -1328,6 +1331,9 @@ cdef class CachingPool:
             if tail == NULL:
                 _unlock(p)
                 return 1
+            if last.offset == 0 and last.heap_index >= 0:
+                # wholly free, in another stream's heap: no longer once the tail is added
+                gm_sub(p.stats.whole_free_bytes, seg.size)
             tail.segment = seg
             tail.offset = seg.size
             tail.size = extra
@@ -1353,7 +1359,7 @@ cdef class CachingPool:
         cdef gm_segment* seg
         cdef gm_block* last
         cdef size_t out = 0
-        _lock(p)
+        _lock_gil(p)
         seg = _find_segment(p, handle)
         if seg != NULL:
             last = _last_block(seg)
@@ -1375,7 +1381,7 @@ cdef class CachingPool:
         cdef int hi
         if new_size % p.cfg.granularity:
             raise ValueError(f"{new_size} is not a multiple of the granularity")
-        _lock(p)
+        _lock_gil(p)
         seg = _find_segment(p, handle)
         if seg != NULL:
             size = seg.size
@@ -1386,6 +1392,9 @@ cdef class CachingPool:
                 _heap_remove(p.heaps[hi], last)
                 if new_size == last.offset:
                     last.prev.next = NULL
+                    if last.prev.offset == 0 and last.prev.heap_index >= 0:
+                        # one free block left (of another stream's heap): wholly free now
+                        gm_add(p.stats.whole_free_bytes, new_size)
                     _drop_block(p, last)
                 else:
                     last.size = new_size - last.offset
