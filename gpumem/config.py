@@ -31,6 +31,11 @@ OTHER_VARIABLES = frozenset({
     "GPUMEM_TRACES",            # benchmarks
     "GPUMEM_VENV",              # ci scripts
     "GPUMEM_CBENCH_DIR",        # benchmarks
+    "GPUMEM_DEVICE",            # the default device (gpumem.default_device, get_manager)
+    "GPUMEM_DUMP_ON_OOM",       # history and snapshot dumps on OOM (gpumem.history)
+    "GPUMEM_TEST_DEVICES",      # the pytest plug-in (gpumem.testing)
+    "GPUMEM_TEST_EXPANDABLE_SEGMENTS",  # tests: the suite with expandable segments on
+    "GPUMEM_FRAMEWORK_EXTRAS",  # ci/gpu.sh
 })
 
 #: the largest byte count (and count) a setting may hold: 4 EiB, far past any device, and small

@@ -327,3 +327,23 @@ def test_misspelled_variable_warns_naming_the_known_ones():
         warnings.simplefilter("error")
         MemoryConfig.from_env({"GPUMEM_MIN_FREE_BYTES": "1GiB", "GPUMEM_DEBUG": "1",
                                "GPUMEM_SIM_DEVICES": "1", "OTHER": "x"})
+
+
+def test_every_gpumem_variable_the_code_reads_is_known():
+    """A GPUMEM_* variable that gpumem itself reads (GPUMEM_DEVICE, GPUMEM_DUMP_ON_OOM, ...) must
+    never trigger the misspelling warning: every name in the package, the simulator and the CI
+    scripts is a MemoryConfig field or listed in OTHER_VARIABLES."""
+    import dataclasses
+    import re
+    from pathlib import Path
+
+    from gpumem.config import OTHER_VARIABLES
+    root = Path(__file__).resolve().parent.parent
+    used = set()
+    for folder in ("gpumem", "gpumem_sim", "ci"):
+        for path in (root / folder).rglob("*"):
+            if path.suffix in (".py", ".pyx", ".sh"):
+                used |= set(re.findall(r"GPUMEM_[A-Z_]+", path.read_text()))
+    known = OTHER_VARIABLES | {"GPUMEM_" + f.name.upper()
+                               for f in dataclasses.fields(MemoryConfig)}
+    assert sorted(used - known) == []
