@@ -71,12 +71,14 @@ def test_ring_drops_oldest_and_orphan_frees(tmp_path):
 
 
 def test_stop_unregisters(tmp_path):
+    """real (sim): a recorder reads the pool's C history, so recording registers no observer
+    (the hot path calls no Python); stop() unregisters it and keeps what it had."""
     mm = _mm()
     rec = mm.record_history()
-    assert rec in mm._observers and mm._hooks
+    assert rec in mm._recorders and not mm._hooks and not mm._observers
     rec.stop()
     rec.stop()                                   # idempotent
-    assert rec not in mm._observers and not mm._hooks
+    assert rec not in mm._recorders and not mm._hooks
     mm.malloc(100).free()
     assert len(rec) == 0
     mm.close()

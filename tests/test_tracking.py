@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 import weakref
 from pathlib import Path
 
@@ -61,7 +62,17 @@ def test_count_total_live_and_metadata():
 
 
 def test_find_old_allocations(monkeypatch):
-    clock = [1000.0]
+    """real (sim): a buffer's creation time is its allocation event in the pool's C history
+    (CLOCK_MONOTONIC_COARSE, on time.monotonic()'s scale); the tracker's "now" is then faked
+    so that the ages are large and exact."""
+    mm = _manager()
+    old = mm.malloc(1024, tag="old")
+    time.sleep(0.05)                        # more than a coarse clock tick (1-4 ms)
+    new = mm.malloc(1024, tag="new")
+    t_old = mm.tracker.get(old.id).created_at
+    t_new = mm.tracker.get(new.id).created_at
+    assert 0.04 <= t_new - t_old < 5 and abs(t_new - time.monotonic()) < 5
+    clock = [t_new + 10]
 
     class FakeTime:
         @staticmethod
@@ -73,15 +84,11 @@ def test_find_old_allocations(monkeypatch):
             return 1.7e9 + clock[0]
 
     monkeypatch.setattr(tracking, "time", FakeTime)
-    mm = _manager()
-    old = mm.malloc(1024, tag="old")
-    clock[0] += 50
-    new = mm.malloc(1024, tag="new")
-    clock[0] += 10
-    assert [m.tag for m in mm.tracker.find_old_allocations(30)] == ["old"]
+    assert [m.tag for m in mm.tracker.find_old_allocations(10.03)] == ["old"]
     assert [m.tag for m in mm.tracker.find_old_allocations(0)] == ["old", "new"]
     assert mm.tracker.find_old_allocations(100) == []
-    assert mm.tracker.get(old.id).age() == pytest.approx(60)
+    assert mm.tracker.get(old.id).age() == pytest.approx(10 + t_new - t_old)
+    assert mm.tracker.get(old.id).exact_age
     with pytest.raises(InvalidInputError):
         mm.tracker.find_old_allocations(-1)
     del old, new
