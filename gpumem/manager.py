@@ -183,6 +183,7 @@ class MemoryManager(StreamBook, MissPath, ManagerCore):
             raise InvalidInputError("an observer needs on_alloc(buf) and on_free(buf) methods")
         self._observers.append(observer)
         self._hooks = True
+        self._via_python = True
 
     def remove_observer(self, observer: Any) -> None:
         """Stop calling `observer` (one added by :meth:`add_observer`); InvalidInputError if
@@ -191,6 +192,7 @@ class MemoryManager(StreamBook, MissPath, ManagerCore):
             raise InvalidInputError(f"{observer!r} is not an observer of this manager")
         self._observers.remove(observer)
         self._hooks = bool(self._observers)
+        self._via_python = self._hooks or self._tags is not None
 
     # --- per-buffer state for history and tracking (no Python on the hot path) ---------------
     def _start_recording(self, recorder: "HistoryRecorder") -> None:
@@ -226,6 +228,8 @@ class MemoryManager(StreamBook, MissPath, ManagerCore):
         for mm, want_tags in ((self, tracked or bool(self._recorders)), (self._host, tracked)):
             if mm is not None and want_tags != (mm._tags is not None):
                 mm._tags = {} if want_tags else None
+                # the torch allocator's nogil path cannot tag its buffers: send it through malloc
+                mm._via_python = mm._hooks or want_tags
         addresses = max((r.max_entries for r in self._recorders), default=0)
         if addresses > self._address_capacity or not addresses:
             self._set_address_log(addresses)

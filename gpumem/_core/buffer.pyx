@@ -355,7 +355,9 @@ cdef class ManagerCore:
     cdef readonly object device
     cdef readonly str device_string
     cdef readonly bint _closed
-    cdef public bint _hooks              # tracking or history on: call _on_alloc/_on_free
+    cdef public bint _hooks              # observers (stack tracking): call _on_alloc/_on_free
+    cdef public bint _via_python         # C clients' requests go through malloc (observers,
+                                         # or tags kept: their buffers are tagged)
     cdef size_t _max_request             # above this a request fails at once, no driver call
     cdef size_t _cache_limit             # cached bytes above this call _trim_cache()
     cdef list _pending                   # _PendingFree: freed, waiting for other streams
@@ -440,10 +442,11 @@ cdef class ManagerCore:
         self._closed = True
 
     def _flag_addresses(self) -> tuple:
-        """``(address of the closed flag, address of the hooks flag)``, two C ints. C-level
-        clients that allocate without the GIL (the torch allocator) read them to know when a
-        request must go through Python instead; valid while they hold a reference to self."""
-        return <size_t>&self._closed, <size_t>&self._hooks
+        """``(address of the closed flag, address of the via-Python flag)``, two C ints.
+        C-level clients that allocate without the GIL (the torch allocator) read them to know
+        when a request must go through Python instead; valid while they hold a reference to
+        self."""
+        return <size_t>&self._closed, <size_t>&self._via_python
 
     def malloc(self, nbytes, *, stream=None, tag=None, fallback=True):
         """A Buffer of at least nbytes on this manager's device (stream: an int handle or any
