@@ -13,22 +13,26 @@ out.png``).
 Thread safety: the dump directory is module state owned by this module, guarded by
 ``_dump_lock``; the rings are guarded by the pool's locks (see gpumem/_core/pool.pyx).
 
-**HistoryRecorder**: a ring buffer of a manager's alloc/free events with tags and locations,
-saved as a trace.
+**HistoryRecorder**: a manager's alloc/free events from the moment it starts, read from the
+pool's C history, with tags and locations, saved as a trace.
 
 >>> rec = mm.record_history(max_entries=100_000)     # doctest: +SKIP
 >>> ...                                               # run the workload
 >>> rec.stop(); rec.write("run.csv.gz")               # doctest: +SKIP
 >>> print(gpumem.replay.replay("run.csv.gz", "sim:24GiB"))   # doctest: +SKIP
 
-``MemoryManager.record_history()`` builds the recorder and registers it as an observer; a recorder
-built by hand must be registered with ``manager.add_observer(rec)``.
+``MemoryManager.record_history()`` (or ``HistoryRecorder(manager)``) starts one; no observer is
+registered, so ``malloc``/``free`` of an untagged buffer run no Python for it. While it runs the
+pool's history holds at least ``max_entries`` events (grown if needed, given back by the last
+recorder to stop), the manager keeps tags of tagged buffers and the addresses of allocations in
+a C log, and tells it of CPU-fallback buffers.
 
-Each event is ``(t_ns, op, id, size, stream, tag, location, ptr)`` with ``t_ns`` from
-``time.perf_counter_ns()`` relative to the recorder's start, ``op`` ``"a"``/``"f"``, ``id`` the
-buffer's id, ``size`` its requested bytes and ``ptr`` its address (allocations only; 0 on a
-free, which pairs with its allocation by ``id``; :func:`gpumem.export_memory_viz` uses it). The ring keeps the newest ``max_entries`` events;
-``dropped`` counts those pushed out.
+Each event is ``(t_ns, op, id, size, stream, tag, location, ptr)`` with ``t_ns`` from the pool's
+coarse clock relative to the recorder's start, ``op`` ``"a"``/``"f"``, ``id`` the buffer's id,
+``size`` its requested bytes and ``ptr`` its address (allocations only; 0 on a free, which pairs
+with its allocation by ``id``; :func:`gpumem.export_memory_viz` uses it). The newest
+``max_entries`` events are kept; ``dropped`` counts those pushed out. A free waiting for other
+streams (``Buffer.record_stream``) is recorded when the pool gets the block back.
 
 :meth:`HistoryRecorder.write` produces the ``gpumem/data/traces`` format, so a recorded run can be
 replayed on any device or configuration:

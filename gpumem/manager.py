@@ -10,6 +10,12 @@ Thread safety (the whole contract: docs/concurrency.md): every public method may
 any thread. ``_slow`` (an RLock, owned by the manager) serialises the miss path, stream
 bookkeeping and close(); the hot path takes only the pool's C lock. Destroyed streams are
 learnt from the device's listener and refused from then on.
+
+Tracking and history recording keep per-buffer state only for tagged buffers: ``_tags`` (id ->
+tag, owned by the manager) gets one dict store from the alloc path under the GIL, and
+``_prune_tags`` only deletes ids of freed buffers, so a store racing it is never lost. The list
+of running recorders (``_recorders``) is guarded by ``_slow``; the address log (``_wrap``'s C
+stores) is written and replaced only with the GIL held.
 """
 from __future__ import annotations
 

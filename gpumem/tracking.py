@@ -140,6 +140,8 @@ class AllocationTracker:
 
     # --- observer protocol (stacks on, or a tracker without a manager) ----------------------
     def on_alloc(self, buf: Any) -> None:
+        if self.reads_pool:
+            return              # registered by hand as well: the pool knows this buffer
         # a NamedTuple built positionally: this runs on every malloc while stacks are on
         nbytes = buf.nbytes
         location = buf.location
@@ -154,6 +156,8 @@ class AllocationTracker:
                 self._observed_peak = self._bytes
 
     def on_free(self, buf: Any) -> None:
+        if self.reads_pool:
+            return
         with self._lock:
             meta = self._live.pop((buf.location, buf.id), None)
             if meta is not None:

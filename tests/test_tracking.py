@@ -334,3 +334,17 @@ def test_stale_tags_are_pruned():
     assert mm._tags[keep.id] == "keep" and mm.tracker.get(keep.id).tag == "keep"
     keep.free()
     mm.close()
+
+
+def test_a_tracker_registered_by_hand_counts_each_buffer_once():
+    """real (sim): a stacks-off tracker built on a manager and also added as an observer
+    ignores the callbacks (the pool already knows the buffer): no buffer is counted twice."""
+    mm = _manager(track_allocations=False)
+    t = AllocationTracker(mm)
+    mm.add_observer(t)
+    b = mm.malloc(100, tag="x")
+    assert t.count() == 1 and [m.id for m in t.live()] == [b.id]
+    b.free()
+    assert t.count() == 0
+    mm.remove_observer(t)
+    mm.close()
