@@ -292,7 +292,7 @@ class MissPath:
                 self._host = type(self)(             # a MemoryManager on host memory
                     "cpu", MemoryConfig(cpu_fallback_enabled=False, min_free_bytes=0,
                                         track_allocations=False, gpu_memory_fraction=1.0))
-                self._keep_buffer_state()           # tags/addresses for history, tracking
+                self._keep_buffer_state()           # the tracker wants its tags too
             host = self._host
             if not self._fallback_warned:
                 # before the host allocation: a filter that turns this warning into an error
