@@ -201,9 +201,11 @@ class Peer:
 
 
 class GpumemPeer(Peer):
-    def __init__(self, device: str, name: str = "gpumem", config=None, history: bool = True):
+    def __init__(self, device: str, name: str = "gpumem", config=None, history: bool = True,
+                 record: bool = False):
         self.device, self.name, self.config = device, name, config
         self.history = history            # the pool's always-on C history (False: turned off)
+        self.record = record              # MemoryManager.record_history() running
 
     def open(self):
         from gpumem import MemoryManager
@@ -217,8 +219,14 @@ class GpumemPeer(Peer):
         mm = MemoryManager(self.device, self.config)
         if not self.history:
             mm.pool.set_history(0)
+        rec = mm.record_history() if self.record else None
         self.last = mm
-        return Inst(mm.malloc, mm.free, mm.close,
+
+        def close():
+            if rec is not None:
+                rec.stop()
+            mm.close()
+        return Inst(mm.malloc, mm.free, close,
                     peak=lambda: mm.pool.counters()["peak_reserved_bytes"])
 
 
@@ -820,6 +828,8 @@ def run_sim(timer: Timer, args) -> dict:
         peers.append(track)
     except Skip as exc:
         skipped("(all)", track.name, str(exc))
+    peers.append(GpumemPeer(dev, name="gpumem record_history()",
+                            config=MemoryConfig(track_allocations=False), record=True))
     bench_hit_pairs(timer, peers, sizes=(512, 4 * KiB, 1 * MiB, 8 * MiB))
     bench_mixed(timer, peers, live=args.live or 10_000)
     if not args.no_traces:

@@ -13,22 +13,26 @@ out.png``).
 Thread safety: the dump directory is module state owned by this module, guarded by
 ``_dump_lock``; the rings are guarded by the pool's locks (see gpumem/_core/pool.pyx).
 
-**HistoryRecorder**: a ring buffer of a manager's alloc/free events with tags and locations,
-saved as a trace.
+**HistoryRecorder**: a manager's alloc/free events from the moment it starts, read from the
+pool's C history, with tags and locations, saved as a trace.
 
 >>> rec = mm.record_history(max_entries=100_000)     # doctest: +SKIP
 >>> ...                                               # run the workload
 >>> rec.stop(); rec.write("run.csv.gz")               # doctest: +SKIP
 >>> print(gpumem.replay.replay("run.csv.gz", "sim:24GiB"))   # doctest: +SKIP
 
-``MemoryManager.record_history()`` builds the recorder and registers it as an observer; a recorder
-built by hand must be registered with ``manager.add_observer(rec)``.
+``MemoryManager.record_history()`` (or ``HistoryRecorder(manager)``) starts one; no observer is
+registered, so ``malloc``/``free`` of an untagged buffer run no Python for it. While it runs the
+pool's history holds at least ``max_entries`` events (grown if needed, given back by the last
+recorder to stop), the manager keeps tags of tagged buffers and the addresses of allocations in
+a C log, and tells it of CPU-fallback buffers.
 
-Each event is ``(t_ns, op, id, size, stream, tag, location, ptr)`` with ``t_ns`` from
-``time.perf_counter_ns()`` relative to the recorder's start, ``op`` ``"a"``/``"f"``, ``id`` the
-buffer's id, ``size`` its requested bytes and ``ptr`` its address (allocations only; 0 on a
-free, which pairs with its allocation by ``id``; :func:`gpumem.export_memory_viz` uses it). The ring keeps the newest ``max_entries`` events;
-``dropped`` counts those pushed out.
+Each event is ``(t_ns, op, id, size, stream, tag, location, ptr)`` with ``t_ns`` from the pool's
+coarse clock relative to the recorder's start, ``op`` ``"a"``/``"f"``, ``id`` the buffer's id,
+``size`` its requested bytes and ``ptr`` its address (allocations only; 0 on a free, which pairs
+with its allocation by ``id``; :func:`gpumem.export_memory_viz` uses it). The newest
+``max_entries`` events are kept; ``dropped`` counts those pushed out. A free waiting for other
+streams (``Buffer.record_stream``) is recorded when the pool gets the block back.
 
 :meth:`HistoryRecorder.write` produces the ``gpumem/data/traces`` format, so a recorded run can be
 replayed on any device or configuration:
@@ -190,8 +194,32 @@ class HistoryEvent(NamedTuple):
     ptr: int = 0
 
 
+def _event_count(pool: Any) -> int:
+    """Events the pool has recorded since it was made: one per allocation and per free."""
+    c = pool.counters()
+    return c["num_allocs"] + c["num_frees"]
+
+
+def _coarse_ns() -> int:
+    """The clock of the pool's history (CLOCK_MONOTONIC_COARSE where there is one)."""
+    clock = getattr(time, "CLOCK_MONOTONIC_COARSE", time.CLOCK_MONOTONIC)
+    return time.clock_gettime_ns(clock)
+
+
 class HistoryRecorder:
-    """A bounded ring of alloc/free events observed on a manager."""
+    """The alloc/free events of a manager from a point on, read from the pool's C history.
+
+    Recording costs nothing per allocation beyond the pool's always-on history, plus, while
+    a recorder runs, a dict store for each *tagged* buffer (its tag) and two C stores (its
+    address, for :func:`gpumem.export_memory_viz`). CPU-fallback buffers (the slow path) are
+    noted by the manager as they come and go. Built with a manager it records at once
+    (``MemoryManager.record_history()`` does this); built without one it stays empty.
+
+    Thread safety: the recorder's own state (start marks, fallback events, frozen events) is
+    guarded by ``_lock``; the manager's list of recorders by the manager's ``_slow`` lock; the
+    rings by the pool's locks. Events of other threads appear in time order (the history's
+    clock ticks every few ms).
+    """
 
     def __init__(self, manager: Any = None, max_entries: int = 1_000_000) -> None:
         if isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries <= 0:
@@ -199,51 +227,94 @@ class HistoryRecorder:
         self._manager_ref = weakref.ref(manager) if manager is not None else None
         self.device = getattr(manager, "device_string", "") if manager is not None else ""
         self.max_entries = max_entries
-        self._ring: deque[tuple] = deque(maxlen=max_entries)
-        self._t0 = time.perf_counter_ns()
         self._lock = threading.Lock()
-        self._recorded = 0
-        self.stopped = False
+        self._frozen: list[tuple] | None = None      # the events, once stopped
+        self._frozen_recorded = 0
+        self._start = 0                              # the pool's event count at the start
+        self._t0 = 0
+        # CPU-fallback events as (pool events before it, event), and how many were noted
+        self._fallback: deque[tuple[int, tuple]] = deque(maxlen=max_entries)
+        self._fallback_noted = 0
+        self.stopped = manager is None
+        if manager is not None:
+            manager._start_recording(self)
+            self._mark_start()
 
     @property
     def manager(self) -> Any:
         return self._manager_ref() if self._manager_ref is not None else None
 
-    # --- observer protocol --------------------------------------------------------------------
-    def on_alloc(self, buf: Any) -> None:
-        if self.stopped:
-            return
-        ev = (time.perf_counter_ns() - self._t0, "a", buf.id, buf.nbytes, buf.stream, buf.tag,
-              buf.location, buf.ptr)
+    def _mark_start(self) -> None:
+        """Record from now on."""
+        start = _event_count(self.manager.pool)
         with self._lock:
-            self._ring.append(ev)
-            self._recorded += 1
+            self._start, self._t0 = start, _coarse_ns()
+            self._fallback.clear()
+            self._fallback_noted = 0
 
-    def on_free(self, buf: Any) -> None:
-        if self.stopped:
-            return
-        ev = (time.perf_counter_ns() - self._t0, "f", buf.id, buf.nbytes, buf.stream, buf.tag,
-              buf.location, 0)
+    def _note_fallback(self, buf: Any, op: str) -> None:
+        """The manager tells of a CPU-fallback buffer allocated or freed (op "a"/"f")."""
+        mgr = self.manager
+        position = _event_count(mgr.pool) if mgr is not None else 0
         with self._lock:
-            self._ring.append(ev)
-            self._recorded += 1
+            ev = (max(0, _coarse_ns() - self._t0), op, buf.id, buf.nbytes, buf.stream, buf.tag,
+                  "cpu", buf.ptr if op == "a" else 0)
+            self._fallback.append((position, ev))
+            self._fallback_noted += 1
+
+    def _live_events(self) -> tuple[list[tuple], int]:
+        """(events since the start, oldest first, at most max_entries; events recorded)."""
+        mgr = self.manager
+        if mgr is None or mgr.closed:
+            return [], 0
+        with self._lock:
+            start, t0 = self._start, self._t0
+            fallback, noted = list(self._fallback), self._fallback_noted
+        total = _event_count(mgr.pool)
+        n = min(total - start, self.max_entries)
+        keyed: list[tuple[tuple[int, int], tuple]] = []
+        if n > 0:
+            h = mgr.pool.history(n)
+            tags = mgr._tags or {}
+            addrs = mgr._addresses()
+            first = total - len(h["id"])                 # the pool's number of the first event
+            for i, (t, op, bid, size, stream) in enumerate(zip(
+                    h["t_ns"].tolist(), h["op"].tolist(), h["id"].tolist(),
+                    h["size"].tolist(), h["stream"].tolist())):
+                keyed.append(((first + i, 1), (max(0, t - t0), "f" if op else "a", bid, size,
+                                               stream, tags.get(bid), "device",
+                                               0 if op else addrs.get(bid, 0))))
+        if fallback:                 # a fallback event goes before the pool's next event
+            keyed.extend(((pos, 0), ev) for pos, ev in fallback)
+            keyed.sort(key=lambda k: k[0])
+        return [ev for _, ev in keyed[-self.max_entries:]], total - start + noted
+
+    def _current(self) -> tuple[list[tuple], int]:
+        with self._lock:
+            if self._frozen is not None:
+                return self._frozen, self._frozen_recorded
+        return self._live_events()
 
     # --- control --------------------------------------------------------------------------------
     def stop(self) -> None:
-        """Stop recording and unregister from the manager (idempotent); the events stay."""
+        """Stop recording (idempotent); the events recorded so far stay."""
+        if self.stopped:
+            return
+        events, recorded = self._live_events()
+        with self._lock:
+            self._frozen, self._frozen_recorded = events, recorded
         self.stopped = True
         mgr = self.manager
         if mgr is not None:
-            try:
-                mgr.remove_observer(self)
-            except ValueError:
-                pass            # not registered (built by hand, or stopped already)
+            mgr._stop_recording(self)
 
     def clear(self) -> None:
         """Forget the recorded events (recording goes on)."""
         with self._lock:
-            self._ring.clear()
-            self._recorded = 0
+            if self._frozen is not None:
+                self._frozen, self._frozen_recorded = [], 0
+                return
+        self._mark_start()
 
     def __enter__(self) -> "HistoryRecorder":
         return self
@@ -254,28 +325,26 @@ class HistoryRecorder:
 
     # --- contents --------------------------------------------------------------------------------
     def __len__(self) -> int:
-        return len(self._ring)
+        return len(self._current()[0])
 
     @property
     def recorded(self) -> int:
         """Events seen since start (or clear()), including dropped ones."""
-        return self._recorded
+        return self._current()[1]
 
     @property
     def dropped(self) -> int:
         """Events pushed out of the ring by newer ones."""
-        return self._recorded - len(self._ring)
+        events, recorded = self._current()
+        return recorded - len(events)
 
     def events(self) -> list[HistoryEvent]:
         """The events in the ring, oldest first, with the buffers' own ids."""
-        with self._lock:
-            raw = list(self._ring)
-        return [HistoryEvent(*e) for e in raw]
+        return [HistoryEvent(*e) for e in self._current()[0]]
 
     def _renumbered(self) -> tuple[list[tuple], int]:
         """Rows (t_ns, op, new_id, size, stream, device, tag) and the count of dropped frees."""
-        with self._lock:
-            raw = list(self._ring)
+        raw = self._current()[0]
         rows: list[tuple] = []
         ids: dict[tuple[str, int], int] = {}
         orphan_frees = 0
@@ -322,5 +391,6 @@ class HistoryRecorder:
 
     def __repr__(self) -> str:
         state = "stopped" if self.stopped else "recording"
-        return (f"<gpumem.HistoryRecorder {state}, {len(self)} events "
-                f"({self.dropped} dropped), max {self.max_entries}>")
+        events, recorded = self._current()
+        return (f"<gpumem.HistoryRecorder {state}, {len(events)} events "
+                f"({recorded - len(events)} dropped), max {self.max_entries}>")

@@ -10,6 +10,12 @@ Thread safety (the whole contract: docs/concurrency.md): every public method may
 any thread. ``_slow`` (an RLock, owned by the manager) serialises the miss path, stream
 bookkeeping and close(); the hot path takes only the pool's C lock. Destroyed streams are
 learnt from the device's listener and refused from then on.
+
+Tracking and history recording keep per-buffer state only for tagged buffers: ``_tags`` (id ->
+tag, owned by the manager) gets one dict store from the alloc path under the GIL, and
+``_prune_tags`` only deletes ids of freed buffers, so a store racing it is never lost. The list
+of running recorders (``_recorders``) is guarded by ``_slow``; the address log (``_wrap``'s C
+stores) is written and replaced only with the GIL held.
 """
 from __future__ import annotations
 
@@ -123,6 +129,11 @@ class MemoryManager(StreamBook, MissPath, ManagerCore):
         self._pressure_callbacks: list[PressureCallback] = []
         self._pressure = MemoryPressure.LOW
         self._observers: list[Any] = []
+        self._recorders: list[HistoryRecorder] = []    # running; guarded by _slow
+        self._history_before_recording: int | None = None
+        self._tags = None
+        self._tags_limit = 4096
+        self._address_capacity = 0
         self._num_ooms = 0
         self._cpu_fallbacks = 0
         self._fallback_bytes = 0
@@ -141,7 +152,10 @@ class MemoryManager(StreamBook, MissPath, ManagerCore):
         if config.track_allocations:
             from gpumem.tracking import AllocationTracker
             self.tracker = AllocationTracker(self, capture_stacks=config.track_stacks)
-            self.add_observer(self.tracker)
+            if self.tracker.reads_pool:
+                self._keep_buffer_state()       # tags only: the pool knows the rest
+            else:
+                self.add_observer(self.tracker)   # stacks: captured per buffer
         dev.add_stream_listener(self._on_stream_destroyed)
         peers.register(self)
 
@@ -175,6 +189,7 @@ class MemoryManager(StreamBook, MissPath, ManagerCore):
             raise InvalidInputError("an observer needs on_alloc(buf) and on_free(buf) methods")
         self._observers.append(observer)
         self._hooks = True
+        self._via_python = True
 
     def remove_observer(self, observer: Any) -> None:
         """Stop calling `observer` (one added by :meth:`add_observer`); InvalidInputError if
@@ -183,6 +198,75 @@ class MemoryManager(StreamBook, MissPath, ManagerCore):
             raise InvalidInputError(f"{observer!r} is not an observer of this manager")
         self._observers.remove(observer)
         self._hooks = bool(self._observers)
+        self._via_python = self._hooks or self._tags is not None
+
+    # --- per-buffer state for history and tracking (no Python on the hot path) ---------------
+    def _start_recording(self, recorder: "HistoryRecorder") -> None:
+        """HistoryRecorder(manager) calls this: the pool's history must hold the recorder's
+        max_entries (growing it forgets the events recorded so far), and tags and addresses
+        are kept while it runs."""
+        with self._slow:
+            self._check_open()
+            capacity = self.pool.history_capacity
+            if capacity < recorder.max_entries:
+                if self._history_before_recording is None:
+                    self._history_before_recording = capacity
+                self.pool.set_history(recorder.max_entries)
+            self._recorders.append(recorder)
+            self._keep_buffer_state()
+
+    def _stop_recording(self, recorder: "HistoryRecorder") -> None:
+        """The recorder has copied its events: stop keeping state for it; the last one gives
+        the pool back its own history size."""
+        with self._slow:
+            if recorder in self._recorders:
+                self._recorders.remove(recorder)
+            if not self._recorders and self._history_before_recording is not None:
+                if not self._closed:
+                    self.pool.set_history(self._history_before_recording)
+                self._history_before_recording = None
+            self._keep_buffer_state()
+
+    def _keep_buffer_state(self) -> None:
+        """Keep tags while a recorder runs or the tracker reads the pool (the CPU-fallback
+        host manager's for the tracker), and addresses while a recorder runs; _slow held."""
+        tracked = self.tracker is not None and self.tracker.reads_pool
+        for mm, want_tags in ((self, tracked or bool(self._recorders)), (self._host, tracked)):
+            if mm is not None and want_tags != (mm._tags is not None):
+                mm._tags = {} if want_tags else None
+                # the torch allocator's nogil path cannot tag its buffers: send it through malloc
+                mm._via_python = mm._hooks or want_tags
+        addresses = max((r.max_entries for r in self._recorders), default=0)
+        if addresses > self._address_capacity or not addresses:
+            self._set_address_log(addresses)
+            self._address_capacity = addresses
+
+    def _note_fallback(self, buf: Any, op: str) -> None:
+        """A CPU-fallback buffer was allocated (op "a") or freed ("f"): tell the recorders
+        (the slow path; device buffers are in the pool's history)."""
+        for recorder in list(self._recorders):
+            recorder._note_fallback(buf, op)
+
+    def _prune_tags(self) -> None:
+        """``_tags`` outgrew its limit (called by the alloc path, rarely): forget the tags of
+        freed buffers, except the newest ones a running recorder may still show."""
+        tags = self._tags
+        if tags is None:
+            return
+        newest = max((r.max_entries for r in self._recorders), default=0)
+        ids = list(tags)
+        old = ids[:max(0, len(ids) - newest)]
+        if old:
+            live = self._live_ids()
+            for bid in old:
+                if bid not in live:
+                    tags.pop(bid, None)
+        self._tags_limit = 2 * len(tags) + 4096
+
+    def _live_ids(self) -> set[int]:
+        """Ids of the pool's live blocks (frees waiting for other streams included)."""
+        return {b["id"] for seg in self.pool.segments() for b in seg["blocks"]
+                if b["state"] == "allocated"}
 
     def _on_alloc(self, buf: Buffer) -> None:
         for obs in self._observers:
@@ -402,9 +486,7 @@ class MemoryManager(StreamBook, MissPath, ManagerCore):
         ``write(path)`` saves a trace in the gpumem/data/traces format)."""
         from gpumem.history import HistoryRecorder
         self._check_open()
-        recorder = HistoryRecorder(self, max_entries=max_entries)
-        self.add_observer(recorder)
-        return recorder
+        return HistoryRecorder(self, max_entries=max_entries)
 
     def check_leaks(self) -> list:
         """Live buffers tracked by this manager (requires track_allocations)."""
@@ -419,6 +501,8 @@ class MemoryManager(StreamBook, MissPath, ManagerCore):
         with self._slow:
             if self._closed:
                 return
+            for recorder in list(self._recorders):
+                recorder.stop()                 # its events stay readable after close
             if self.tracker is not None:
                 try:
                     self.tracker.report_leaks(at="close()")

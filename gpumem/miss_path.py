@@ -293,6 +293,7 @@ class MissPath:
                 self._host = type(self)(             # a MemoryManager on host memory
                     "cpu", MemoryConfig(cpu_fallback_enabled=False, min_free_bytes=0,
                                         track_allocations=False, gpu_memory_fraction=1.0))
+                self._keep_buffer_state()           # the tracker wants its tags too
             host = self._host
             if not self._fallback_warned:
                 # before the host allocation: a filter that turns this warning into an error
@@ -313,6 +314,8 @@ class MissPath:
                     self.device_string, format_bytes(nbytes), self._cpu_fallbacks)
         if self._hooks:
             self._on_alloc(fb)
+        if self._recorders:
+            self._note_fallback(fb, "a")
         return fb
 
     def _fallback_released(self, fb: FallbackBuffer) -> None:
@@ -320,3 +323,5 @@ class MissPath:
         self._fallback_live -= 1
         if self._hooks and not self._closed:
             self._on_free(fb)
+        if self._recorders and not self._closed:
+            self._note_fallback(fb, "f")

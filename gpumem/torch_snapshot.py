@@ -209,8 +209,7 @@ def to_memory_viz(source: Any, history: Any = None) -> dict:
     elif hasattr(source, "pool") and hasattr(source, "device_string"):
         snap = take_snapshot(source)
         if history is None:
-            history = next((o for o in getattr(source, "_observers", ())
-                            if isinstance(o, HistoryRecorder)), None)
+            history = next(iter(getattr(source, "_recorders", ())), None)
     else:
         raise InvalidInputError(f"source must be a MemoryManager or a gpumem snapshot dict, "
                                 f"got {type(source).__name__}")

@@ -71,12 +71,14 @@ def test_ring_drops_oldest_and_orphan_frees(tmp_path):
 
 
 def test_stop_unregisters(tmp_path):
+    """real (sim): a recorder reads the pool's C history, so recording registers no observer
+    (the hot path calls no Python); stop() unregisters it and keeps what it had."""
     mm = _mm()
     rec = mm.record_history()
-    assert rec in mm._observers and mm._hooks
+    assert rec in mm._recorders and not mm._hooks and not mm._observers
     rec.stop()
     rec.stop()                                   # idempotent
-    assert rec not in mm._observers and not mm._hooks
+    assert rec not in mm._recorders and not mm._hooks
     mm.malloc(100).free()
     assert len(rec) == 0
     mm.close()
@@ -265,3 +267,61 @@ def test_module_is_callable():
     res = gpumem.replay(read_trace(DEMO).head(100), "sim:1GiB")
     assert isinstance(res, replay_module.ReplayResult)
     assert replay_module.replay is replay
+
+
+def test_recording_keeps_only_tags_and_addresses():
+    """real (sim): recording registers no observer; per buffer it keeps the tag of a tagged
+    one (a dict) and the address (a C log), so the events of a freed buffer still carry its
+    address (export_memory_viz needs it). Stopping drops both."""
+    mm = _mm()
+    rec = mm.record_history(max_entries=1000)
+    plain = mm.malloc(MiB)
+    p = plain.ptr
+    tagged = mm.malloc(512, tag="t")
+    assert mm._tags == {tagged.id: "t"} and not mm._hooks
+    plain.free(), tagged.free()
+    ev = rec.events()
+    assert [(e.op, e.ptr, e.tag) for e in ev[:1]] == [("a", p, None)]
+    assert ev[2].op == "f" and ev[2].ptr == 0 and ev[3].tag == "t"
+    rec.stop()
+    assert mm._tags is None and mm._addresses() == {}
+    assert len(rec.events()) == 4                  # kept after stop
+    mm.close()
+
+
+def test_two_recorders_and_clear():
+    """real (sim): recorders started at different points each see the events since their
+    own start; clear() restarts one without touching the other."""
+    mm = _mm()
+    first = mm.record_history()
+    mm.malloc(100).free()
+    second = mm.record_history()
+    mm.malloc(200).free()
+    assert len(first) == 4 and len(second) == 2
+    first.clear()
+    mm.malloc(300).free()
+    assert [e.size for e in first.events()] == [300, 300]
+    assert [e.size for e in second.events()] == [200, 200, 300, 300]
+    first.stop(), second.stop()
+    mm.close()
+
+
+def test_history_grown_for_a_recorder_and_given_back():
+    """real (sim): a recorder asking for more events than the pool's history keeps grows it
+    while it runs; the last recorder to stop gives the pool its own size back."""
+    mm = _mm()
+    own = mm.pool.history_capacity
+    rec = mm.record_history(max_entries=4 * own)
+    assert mm.pool.history_capacity >= 4 * own
+    rec.stop()
+    assert mm.pool.history_capacity == own
+    mm.close()
+
+
+def test_close_stops_recorders_and_keeps_their_events():
+    """real (sim): closing the manager stops its recorders; their events stay readable."""
+    mm = _mm()
+    rec = mm.record_history()
+    mm.malloc(100).free()
+    mm.close()
+    assert rec.stopped and [e.op for e in rec.events()] == ["a", "f"]

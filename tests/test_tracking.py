@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 import weakref
 from pathlib import Path
 
@@ -61,7 +62,17 @@ def test_count_total_live_and_metadata():
 
 
 def test_find_old_allocations(monkeypatch):
-    clock = [1000.0]
+    """real (sim): a buffer's creation time is its allocation event in the pool's C history
+    (CLOCK_MONOTONIC_COARSE, on time.monotonic()'s scale); the tracker's "now" is then faked
+    so that the ages are large and exact."""
+    mm = _manager()
+    old = mm.malloc(1024, tag="old")
+    time.sleep(0.05)                        # more than a coarse clock tick (1-4 ms)
+    new = mm.malloc(1024, tag="new")
+    t_old = mm.tracker.get(old.id).created_at
+    t_new = mm.tracker.get(new.id).created_at
+    assert 0.04 <= t_new - t_old < 5 and abs(t_new - time.monotonic()) < 5
+    clock = [t_new + 10]
 
     class FakeTime:
         @staticmethod
@@ -73,15 +84,11 @@ def test_find_old_allocations(monkeypatch):
             return 1.7e9 + clock[0]
 
     monkeypatch.setattr(tracking, "time", FakeTime)
-    mm = _manager()
-    old = mm.malloc(1024, tag="old")
-    clock[0] += 50
-    new = mm.malloc(1024, tag="new")
-    clock[0] += 10
-    assert [m.tag for m in mm.tracker.find_old_allocations(30)] == ["old"]
+    assert [m.tag for m in mm.tracker.find_old_allocations(10.03)] == ["old"]
     assert [m.tag for m in mm.tracker.find_old_allocations(0)] == ["old", "new"]
     assert mm.tracker.find_old_allocations(100) == []
-    assert mm.tracker.get(old.id).age() == pytest.approx(60)
+    assert mm.tracker.get(old.id).age() == pytest.approx(10 + t_new - t_old)
+    assert mm.tracker.get(old.id).exact_age
     with pytest.raises(InvalidInputError):
         mm.tracker.find_old_allocations(-1)
     del old, new
@@ -218,4 +225,126 @@ def test_fragmentation_warning(caplog):
         big = mm.malloc(12 * MiB)
     assert any("fragment" in r.getMessage() for r in caplog.records)
     big.free()
+    mm.close()
+
+
+# --- the tracker reads the pool (stacks off) ---------------------------------------------------------
+def test_stacks_off_keeps_no_python_state_per_untagged_buffer():
+    """real (sim): with stacks off the tracker is no observer (the alloc and free paths call
+    no Python); the only per-buffer state is the tag of a tagged buffer, and the figures
+    (live buffers, bytes, counts, stream) come from the pool's live blocks and counters."""
+    mm = _manager()
+    t = mm.tracker
+    assert t.reads_pool and not mm._hooks and mm._observers == []
+    s = mm.device.create_stream()
+    plain = [mm.malloc(1000 + i) for i in range(5)]
+    tagged = mm.malloc(2 * MiB, tag="kv", stream=s)
+    assert mm._tags == {tagged.id: "kv"}
+    assert t.count() == 6 and t.total_bytes() == sum(1000 + i for i in range(5)) + 2 * MiB
+    m = t.get(tagged.id)
+    assert (m.nbytes, m.tag, m.stream, m.device, m.location) == (2 * MiB, "kv", s,
+                                                                  mm.device_string, "device")
+    assert [x.id for x in t.live()] == [b.id for b in plain] + [tagged.id]
+    for b in plain:
+        b.free()
+    assert [x.tag for x in t.check_leaks()] == ["kv"] and t.total_frees == 5
+    tagged.free()
+    assert t.check_leaks() == [] and t.total_allocs == 6
+    mm.close()
+
+
+def test_a_free_waiting_for_another_stream_is_not_live():
+    """real (sim): a buffer freed while another stream uses it (record_stream) is gone for
+    the tracker at free(), though the pool keeps its block until the stream passes."""
+    mm = _manager()
+    s = mm.device.create_stream()
+    buf = mm.malloc(MiB, tag="shared")
+    buf.record_stream(s)
+    buf.free()
+    assert mm.pending_free_count == 1
+    assert mm.tracker.count() == 0 and mm.tracker.check_leaks() == []
+    mm.collect_pending_frees(wait=True)
+    mm.close()
+
+
+def test_age_of_a_buffer_older_than_the_history():
+    """real (sim): a buffer whose allocation event has left the pool's history is still
+    reported, with the oldest time the history holds as a lower bound ("age >= "); once
+    learnt, that time stays the buffer's."""
+    mm = _manager()
+    mm.pool.set_history(4)
+    keep = mm.malloc(MiB, tag="old")
+    for _ in range(8):
+        mm.malloc(100).free()
+    m = mm.tracker.get(keep.id)
+    assert m is not None and m.tag == "old" and not m.exact_age
+    assert "age >= " in m.describe()
+    for _ in range(8):
+        mm.malloc(100).free()
+    assert mm.tracker.get(keep.id).created_at == m.created_at
+    keep.free()
+    mm.close()
+
+
+def test_peak_bytes_replayed_from_the_history():
+    """real (sim): peak_bytes (requested bytes) is replayed from the history's events since
+    the last read; when some have left the history the level comes from the pool's
+    requested-bytes counter."""
+    mm = _manager()
+    t = mm.tracker
+    a = mm.malloc(5 * MiB)
+    a.free()
+    assert t.peak_bytes == 5 * MiB
+    b, c = mm.malloc(MiB), mm.malloc(2 * MiB)
+    b.free(), c.free()
+    assert t.peak_bytes == 5 * MiB
+    d = mm.malloc(7 * MiB + 3)
+    d.free()
+    assert t.peak_bytes == 7 * MiB + 3
+    mm.pool.set_history(4)
+    x, y = mm.malloc(9 * MiB), mm.malloc(MiB)
+    for _ in range(10):
+        mm.malloc(100).free()
+    assert t.peak_bytes == 10 * MiB + 100            # the two big allocs left the history
+    x.free(), y.free()
+    mm.close()
+
+
+def test_clear_forgets_the_buffers_live_now_only():
+    """real (sim): clear() (the plug-ins call it after reporting) hides the buffers live now
+    from later reports; buffers allocated after it are reported."""
+    mm = _manager()
+    a = mm.malloc(100, tag="a")
+    mm.tracker.clear()
+    assert mm.tracker.count() == 0 and mm.tracker.check_leaks() == []
+    b = mm.malloc(200, tag="b")
+    assert [m.tag for m in mm.tracker.live()] == ["b"] and mm.tracker.count() == 1
+    a.free(), b.free()
+    mm.close()
+
+
+def test_stale_tags_are_pruned():
+    """real (sim): the tags of freed buffers are dropped once the dict outgrows its limit;
+    the tags of live buffers stay."""
+    mm = _manager()
+    keep = mm.malloc(100, tag="keep")
+    for i in range(10_000):
+        mm.malloc(100, tag=i).free()
+    assert len(mm._tags) <= mm._tags_limit < 10_000
+    assert mm._tags[keep.id] == "keep" and mm.tracker.get(keep.id).tag == "keep"
+    keep.free()
+    mm.close()
+
+
+def test_a_tracker_registered_by_hand_counts_each_buffer_once():
+    """real (sim): a stacks-off tracker built on a manager and also added as an observer
+    ignores the callbacks (the pool already knows the buffer): no buffer is counted twice."""
+    mm = _manager(track_allocations=False)
+    t = AllocationTracker(mm)
+    mm.add_observer(t)
+    b = mm.malloc(100, tag="x")
+    assert t.count() == 1 and [m.id for m in t.live()] == [b.id]
+    b.free()
+    assert t.count() == 0
+    mm.remove_observer(t)
     mm.close()

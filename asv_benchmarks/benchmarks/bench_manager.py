@@ -1,5 +1,5 @@
 """MemoryManager at Python level on a big simulated device: the hit pair and a mixed workload,
-with allocation tracking off and on."""
+with allocation tracking off and on, and with history recording off and on."""
 from . import OPS_PER_CALL, KiB, MiB, MixedWorkload, sim_manager
 
 
@@ -27,6 +27,40 @@ class HitPair:
         for _ in range(OPS_PER_CALL):
             with malloc(nbytes):
                 pass
+
+    def time_1000_tagged_pairs(self, nbytes, tracking):
+        """Tagged buffers: with tracking on, the one per-buffer cost left (a dict store)."""
+        malloc, free = self.mm.malloc, self.mm.free
+        for _ in range(OPS_PER_CALL):
+            free(malloc(nbytes, tag="t"))
+
+
+class Recording:
+    """The hit pair while ``record_history()`` runs or not (it reads the pool's C history:
+    target <= 1.1x the pair), untagged and tagged."""
+
+    params = [[4 * KiB, 1 * MiB], [False, True]]
+    param_names = ["nbytes", "recording"]
+
+    def setup(self, nbytes, recording):
+        self.mm = sim_manager(track=False)
+        self.rec = self.mm.record_history() if recording else None
+        self.mm.free(self.mm.malloc(nbytes))
+
+    def teardown(self, nbytes, recording):
+        if self.rec is not None:
+            self.rec.stop()
+        self.mm.close()
+
+    def time_1000_pairs(self, nbytes, recording):
+        malloc, free = self.mm.malloc, self.mm.free
+        for _ in range(OPS_PER_CALL):
+            free(malloc(nbytes))
+
+    def time_1000_tagged_pairs(self, nbytes, recording):
+        malloc, free = self.mm.malloc, self.mm.free
+        for _ in range(OPS_PER_CALL):
+            free(malloc(nbytes, tag="t"))
 
 
 class LoopFloor:

@@ -14,6 +14,7 @@ collector holding `_collect_lock`.
 """
 cimport cython
 from libc.stdint cimport uint64_t
+from libc.stdlib cimport calloc, free
 from cpython.long cimport PyLong_AsLongLong
 from cpython.dict cimport PyDict_GetItem
 from cpython.ref cimport PyObject
@@ -354,7 +355,9 @@ cdef class ManagerCore:
     cdef readonly object device
     cdef readonly str device_string
     cdef readonly bint _closed
-    cdef public bint _hooks              # tracking or history on: call _on_alloc/_on_free
+    cdef public bint _hooks              # observers (stack tracking): call _on_alloc/_on_free
+    cdef public bint _via_python         # C clients' requests go through malloc (observers,
+                                         # or tags kept: their buffers are tagged)
     cdef size_t _max_request             # above this a request fails at once, no driver call
     cdef size_t _cache_limit             # cached bytes above this call _trim_cache()
     cdef list _pending                   # _PendingFree: freed, waiting for other streams
@@ -364,6 +367,13 @@ cdef class ManagerCore:
     cdef set _dead_streams               # destroyed streams with heaps still in the pool
     cdef int _ndead                      # len(_dead_streams): one C test on the hot path
     cdef dict _native_cache              # the device's `native_cache` (Buffer.native), or None
+    # Tracking and history read the pool's live blocks and C history rings; the only
+    # per-buffer state they need on the hot path is kept here, written under the GIL:
+    cdef public dict _tags               # id -> tag of tagged buffers (None: not kept)
+    cdef public Py_ssize_t _tags_limit   # above this many entries _prune_tags() runs
+    cdef uint64_t* _addr_log             # (id, address) pairs of recent allocations, or NULL:
+    cdef size_t _addr_mask               # the pool's history has no address column
+    cdef size_t _addr_count
 
     # Device memory has one owner: see Buffer.__reduce_ex__.
     def __reduce_ex__(self, protocol):
@@ -374,6 +384,41 @@ cdef class ManagerCore:
 
     def __deepcopy__(self, memo):
         raise TypeError(_NOT_COPYABLE.format(type(self).__name__))
+
+    def __dealloc__(self):
+        free(self._addr_log)
+
+    def _set_address_log(self, size_t capacity) -> None:
+        """Keep the addresses of the newest `capacity` allocations (rounded up to a power of
+        two; 0: none) for history readers; forgets what was kept."""
+        cdef size_t cap = 1
+        cdef uint64_t* log = NULL
+        if capacity:
+            while cap < capacity:
+                cap <<= 1
+            log = <uint64_t*>calloc(2 * cap, sizeof(uint64_t))
+            if log == NULL:
+                raise MemoryError(f"cannot keep the addresses of {cap} allocations")
+        free(self._addr_log)
+        self._addr_log = log
+        self._addr_mask = cap - 1 if capacity else 0
+        self._addr_count = 0
+
+    def _addresses(self) -> dict:
+        """``{id: address}`` of the allocations in the address log."""
+        cdef size_t i, n
+        out = {}
+        if self._addr_log == NULL:
+            return out
+        n = min(self._addr_count, self._addr_mask + 1)
+        for i in range(self._addr_count - n, self._addr_count):
+            out[self._addr_log[2 * (i & self._addr_mask)]] = \
+                self._addr_log[2 * (i & self._addr_mask) + 1]
+        return out
+
+    def _prune_tags(self) -> None:
+        """Called when ``_tags`` outgrows ``_tags_limit`` (MemoryManager drops stale tags)."""
+        self._tags_limit = 2 * len(self._tags) + 4096
 
     def _core_init(self, CachingPool pool, device, str device_string) -> None:
         self.pool = pool
@@ -397,10 +442,11 @@ cdef class ManagerCore:
         self._closed = True
 
     def _flag_addresses(self) -> tuple:
-        """``(address of the closed flag, address of the hooks flag)``, two C ints. C-level
-        clients that allocate without the GIL (the torch allocator) read them to know when a
-        request must go through Python instead; valid while they hold a reference to self."""
-        return <size_t>&self._closed, <size_t>&self._hooks
+        """``(address of the closed flag, address of the via-Python flag)``, two C ints.
+        C-level clients that allocate without the GIL (the torch allocator) read them to know
+        when a request must go through Python instead; valid while they hold a reference to
+        self."""
+        return <size_t>&self._closed, <size_t>&self._via_python
 
     def malloc(self, nbytes, *, stream=None, tag=None, fallback=True):
         """A Buffer of at least nbytes on this manager's device (stream: an int handle or any
@@ -458,6 +504,14 @@ cdef class ManagerCore:
         buf._stream = s
         buf.tag = tag
         buf._owner = self
+        if self._addr_log != NULL:       # history recording: C stores only
+            self._addr_log[2 * (self._addr_count & self._addr_mask)] = b.serial
+            self._addr_log[2 * (self._addr_count & self._addr_mask) + 1] = buf._ptr
+            self._addr_count += 1
+        if tag is not None and self._tags is not None:    # untagged buffers: one test
+            self._tags[b.serial] = tag
+            if len(self._tags) > self._tags_limit:
+                self._prune_tags()
         if self._hooks:
             self._on_alloc(buf)
         return buf

@@ -83,7 +83,7 @@ cdef enum:
 ctypedef struct dev_ctx:
     gm_pool* pool
     const int* closed                    # the manager's _closed (a bint)
-    const int* hooks                     # the manager's _hooks: observers want every request
+    const int* hooks                     # the manager's _via_python: every request through malloc
     PyObject* manager                    # owned reference
     size_t cache_limit                   # max_pool_size, SIZE_MAX when unlimited
     int shared                           # bound from gpumem.get_manager (manager=None)
