@@ -7,7 +7,6 @@ Each test failed on the code before its fix, except the two marked as regression
 from __future__ import annotations
 
 import copy
-import gc
 import os
 import pickle
 import signal
@@ -19,9 +18,32 @@ import warnings
 import pytest
 
 import gpumem
-from gpumem import MemoryConfig, MemoryManager
+
 from gpumem.errors import ClosedManagerError, InvalidInputError, OutOfMemoryError
 from gpumem.units import MiB, TiB
+
+
+def _race(worker, n: int) -> list[BaseException]:
+    """Run worker(0..n-1) on n threads that switch as often as CPython allows; the errors."""
+    errors: list[BaseException] = []
+
+    def guarded(k: int) -> None:
+        try:
+            worker(k)
+        except BaseException as exc:        # surfaced by the caller
+            errors.append(exc)
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=guarded, args=(k,)) for k in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    finally:
+        sys.setswitchinterval(old)
+    return errors
 
 
 # --- bug 2: deferred frees are never lost ------------------------------------------------------
@@ -32,31 +54,17 @@ def test_concurrent_record_stream_frees_are_all_returned(make_manager, sim_devic
     dev = sim_device("1GiB", back_memory=False)
     mm = make_manager()
     streams = [dev.create_stream() for _ in range(4)]
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)             # switch threads as often as CPython allows
-    errors: list[BaseException] = []
 
     def worker(k: int) -> None:
-        try:
-            for i in range(600):
-                buf = mm.malloc(4096 * (1 + i % 8))
-                buf.record_stream(streams[k])
-                dev.submit(streams[k])
-                buf.free()
-                if i % 16 == 0:
-                    dev.complete(streams[(k + 1) % 4])
-        except BaseException as exc:        # surfaced below
-            errors.append(exc)
+        for i in range(600):
+            buf = mm.malloc(4096 * (1 + i % 8))
+            buf.record_stream(streams[k])
+            dev.submit(streams[k])
+            buf.free()
+            if i % 16 == 0:
+                dev.complete(streams[(k + 1) % 4])
 
-    try:
-        threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-    finally:
-        sys.setswitchinterval(old)
-    assert not errors
+    assert not _race(worker, 4)
     mm.collect_pending_frees(wait=True)
     st = mm.stats()
     assert (st.in_use_bytes, st.pending_free_bytes, st.active_buffers) == (0, 0, 0)
@@ -73,28 +81,14 @@ def test_concurrent_deferred_frees_on_every_backend(backend_manager):
     the race itself is reproduced by the sim test above, where work can be held pending."""
     mm = backend_manager
     streams = [mm.device.create_stream() for _ in range(3)]
-    errors: list[BaseException] = []
 
     def worker(k: int) -> None:
-        try:
-            for i in range(300):
-                buf = mm.malloc(4096 * (1 + i % 4))
-                buf.record_stream(streams[k])
-                buf.free()
-        except BaseException as exc:
-            errors.append(exc)
+        for i in range(300):
+            buf = mm.malloc(4096 * (1 + i % 4))
+            buf.record_stream(streams[k])
+            buf.free()
 
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    try:
-        threads = [threading.Thread(target=worker, args=(k,)) for k in range(3)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-    finally:
-        sys.setswitchinterval(old)
-    assert not errors
+    assert not _race(worker, 3)
     mm.collect_pending_frees(wait=True)
     st = mm.stats()
     assert (st.in_use_bytes, st.pending_free_bytes, st.num_allocs, st.num_frees) == (
