@@ -18,7 +18,6 @@ import warnings
 import pytest
 
 import gpumem
-
 from gpumem.errors import ClosedManagerError, InvalidInputError, OutOfMemoryError
 from gpumem.units import MiB, TiB
 
