@@ -9,8 +9,8 @@ from libc.stdlib cimport malloc, calloc, free, realloc
 from libcpp.atomic cimport atomic, memory_order_relaxed, memory_order_acquire, memory_order_release
 
 from gpumem._core.pool_layout cimport (
-    GM_SLI, GM_NCLASSES, GM_NWORDS, GM_NSHARDS, gm_block, gm_heap, gm_pool, gm_ring, gm_event,
-    gm_shard)
+    GM_SLI, GM_NCLASSES, GM_NWORDS, GM_NSHARDS, gm_block, gm_event, gm_heap, gm_pool, gm_ring,
+    gm_segment, gm_shard)
 
 cdef extern from "<stdlib.h>" nogil:
     void* aligned_alloc(size_t alignment, size_t size)
@@ -47,6 +47,7 @@ cdef extern from *:
 
 cdef enum:
     _BLOCK_CHUNK = 4096          # block structs malloc'd at a time
+    _EXACT_SCAN = 4              # blocks examined in the request's own class before moving up
 
 
 # ---------------------------------------------------------------------------------------------
@@ -203,6 +204,29 @@ cdef inline int _first_class_from(const gm_heap* h, int c) noexcept nogil:
     w = gm_ctz64(m)
     return (w << 6) + gm_ctz64(h.words[w])
 
+cdef inline gm_block* _take_fit(gm_pool* p, gm_heap* h, size_t s) noexcept nogil:
+    """Remove and return a free block of at least s bytes from h, or NULL. O(1)."""
+    cdef int c = _class_of(s)
+    cdef int n = 0
+    cdef gm_block* b = h.heads[c]
+    while b != NULL and n < _EXACT_SCAN:
+        if b.size >= s:
+            break
+        b = b.free_next
+        n += 1
+    if b == NULL or b.size < s:
+        c = _first_class_from(h, c + 1)
+        if c < 0:
+            return NULL
+        b = h.heads[c]
+    if s < p.cfg.max_split_size:
+        if b.size >= p.cfg.max_split_size:
+            return NULL           # do not shred an oversize block for a smaller request
+    elif b.size - s > p.cfg.oversize_slack:
+        return NULL               # oversize blocks are not split; take only a close fit
+    _heap_remove(h, b)
+    return b
+
 
 # ---------------------------------------------------------------------------------------------
 # block structs
@@ -322,3 +346,19 @@ cdef inline size_t _round_size(const gm_pool* p, size_t nbytes) noexcept nogil:
 
 cdef inline size_t _round_up(size_t n, size_t to) noexcept nogil:
     return ((n + to - 1) // to) * to
+
+
+# ---------------------------------------------------------------------------------------------
+# segments
+cdef inline gm_segment* _find_segment(gm_pool* p, uint64_t handle) noexcept nogil:
+    cdef gm_segment* s = p.segments
+    while s != NULL and s.handle != handle:
+        s = s.next
+    return s
+
+
+cdef inline gm_block* _last_block(gm_segment* seg) noexcept nogil:
+    cdef gm_block* b = seg.first
+    while b.next != NULL:
+        b = b.next
+    return b

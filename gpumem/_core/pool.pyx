@@ -24,11 +24,9 @@ The lock (one owner: the pool; it guards every C structure of the pool and nothi
   the GIL while it waits (``_lock_gil``; CuPy's idiom). ``gm_alloc_gil``/``gm_free_gil`` are
   the GIL-holding variants of ``gm_alloc``/``gm_free``; nogil callers use the plain ones.
 
-Front caches (threads that scale, see pool.pxd): ``gm_free`` keeps a block (up to 4 MiB), still
-carved, in the calling thread's front cache (one of GM_NSHARDS, given out round-robin), and
-``gm_alloc`` of the same (stream, rounded size) takes it back without the pool lock. Each front
-cache has its own lock (taken before the pool lock, never after) and its own counters, one cache
-line away from the others. The pool counts a front-cached block as in use; ``counters()``,
+Front caches (threads that scale; _pool_front.pxd): a block freed by a nogil gm_free stays carved
+in its thread's front cache and serves that thread's next gm_alloc of the same (stream, size)
+without the pool lock. The pool counts a front-cached block as in use; ``counters()``,
 ``in_use_bytes``, ``segments()``, ``largest_free_block()`` and ``check_invariants()`` fold the
 front caches in, and ``release_free_segments()``/``excess_free_segments()`` (empty_cache, the OOM
 ladder, trimming) flush them first. The GIL-holding path takes from its thread's front cache
@@ -41,9 +39,10 @@ Modules (one job each; what several of them need is ``cdef inline`` in the inter
 files, compiled into each module that uses it, so the hot path calls nothing through another
 module):
 
-- pool.pyx (this one): the hot path (best fit, carving, coalescing on free, gm_alloc/gm_free and
-  their _gil variants), CachingPool, and the expandable-segment methods;
-- _pool_inline.pxd: locks, size classes, heaps, block structs, stream slots, history rings;
+- pool.pyx (this one): the hot path (carving and accounting, alloc/free under the lock,
+  gm_alloc/gm_free and their _gil variants), CachingPool, the expandable-segment methods;
+- _pool_inline.pxd: locks, size classes, heaps and best fit, block structs, stream slots,
+  coalescing, history rings, segment lookup;
 - _pool_front.pxd: the per-thread front caches (cimported by this module only);
 - pool_segments.pyx: adopting, detaching, releasing and restoring segments, flushing the front
   caches, re-filing idle streams' blocks, freeing the pool's records;
@@ -62,39 +61,10 @@ from libcpp.atomic cimport memory_order_relaxed
 from gpumem._core._pool_inline cimport (
     aligned_alloc, gm_add, gm_sub, gm_max, _lock, _unlock, _lock_gil, _shard_lock,
     _shard_lock_gil, _shard_unlock, _record, _ring_init, _class_of, _heap_insert, _heap_remove,
-    _first_class_from, _new_block, _drop_block, _slot, _register_stream, _coalesce_insert,
-    _round_up, _round_size)
+    _take_fit, _new_block, _drop_block, _slot, _register_stream, _coalesce_insert,
+    _round_up, _round_size, _find_segment, _last_block)
 from gpumem._core._pool_front cimport _my_shard, _front_take, _front_put, _top_up_serials
 from gpumem._core cimport pool_history, pool_inspect, pool_segments
-
-cdef enum:
-    _EXACT_SCAN = 4              # blocks examined in the request's own class before moving up
-
-
-# ---------------------------------------------------------------------------------------------
-# best fit (size classes and heaps: _pool_inline.pxd)
-cdef gm_block* _take_fit(gm_pool* p, gm_heap* h, size_t s) noexcept nogil:
-    """Remove and return a free block of at least s bytes from h, or NULL. O(1)."""
-    cdef int c = _class_of(s)
-    cdef int n = 0
-    cdef gm_block* b = h.heads[c]
-    while b != NULL and n < _EXACT_SCAN:
-        if b.size >= s:
-            break
-        b = b.free_next
-        n += 1
-    if b == NULL or b.size < s:
-        c = _first_class_from(h, c + 1)
-        if c < 0:
-            return NULL
-        b = h.heads[c]
-    if s < p.cfg.max_split_size:
-        if b.size >= p.cfg.max_split_size:
-            return NULL           # do not shred an oversize block for a smaller request
-    elif b.size - s > p.cfg.oversize_slack:
-        return NULL               # oversize blocks are not split; take only a close fit
-    _heap_remove(h, b)
-    return b
 
 
 # ---------------------------------------------------------------------------------------------
@@ -268,22 +238,6 @@ cdef int gm_free_gil(gm_pool* p, gm_block* b, uint64_t serial) noexcept:
     _unlock(p)
     return rc
 
-
-
-# ---------------------------------------------------------------------------------------------
-# segments of the expandable kind (CachingPool's tail methods)
-cdef gm_segment* _find_segment(gm_pool* p, uint64_t handle) noexcept nogil:
-    cdef gm_segment* s = p.segments
-    while s != NULL and s.handle != handle:
-        s = s.next
-    return s
-
-
-cdef inline gm_block* _last_block(gm_segment* seg) noexcept nogil:
-    cdef gm_block* b = seg.first
-    while b.next != NULL:
-        b = b.next
-    return b
 
 
 @cython.final
