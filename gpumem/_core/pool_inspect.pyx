@@ -151,6 +151,10 @@ _FINDINGS = (
     "counter num_segments is {0} but a recount gives {1}",                      # 26
     "counter whole_free_bytes is {0} but a recount gives {1}",                  # 27
     "num_allocs - num_frees is {0} but there are {1} live blocks",              # 28
+    "front cache {0}, bin {1}: block at {2} is not a cached block of the bin",  # 29
+    "front cache {0}: cached_bytes {1} but a recount gives {2}",                # 30
+    "{0} carved blocks without a serial but {1} in front caches",               # 31
+    "counter in_use_bytes (front caches in) is {0} but a recount gives {1}",    # 32
 )
 
 cdef inline void _note(_findings* f, int code, size_t a=0, size_t b=0,
