@@ -4,7 +4,7 @@
 ``from gpumem._core.pool cimport ...`` resolves against the very .pxd downstream code uses; the
 built module calls gm_alloc/gm_free through the function pointers that ``gpumem._core.pool``
 exports. The build goes to a cache directory outside the repo (``$TMPDIR/gpumem_cbench_<hash>``,
-keyed by the .pyx, the .pxd, Python and Cython versions), so repeated runs do not rebuild.
+keyed by the .pyx, the .pxd files, Python and Cython versions), so repeated runs do not rebuild.
 
     python asv_benchmarks/build_cbench.py          # build (or find) and print the module path
 """
@@ -24,6 +24,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 PYX = HERE / "_cbench.pyx"
 PXD = REPO / "gpumem" / "_core" / "pool.pxd"
+LAYOUT = REPO / "gpumem" / "_core" / "pool_layout.pxd"    # the structures pool.pxd re-exports
 MODULE = "_cbench"
 
 _loaded = None
@@ -32,7 +33,7 @@ _loaded = None
 def _key() -> str:
     import Cython
     h = hashlib.sha256()
-    for path in (PYX, PXD):
+    for path in (PYX, PXD, LAYOUT):
         h.update(path.read_bytes())
     h.update(sys.version.encode())
     h.update(Cython.__version__.encode())
