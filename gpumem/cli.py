@@ -21,58 +21,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
-import warnings
 from pathlib import Path
 from typing import Any, Sequence
 
+from gpumem import cli_common
+from gpumem.cli_common import (DEMO_TRACE, EXIT_ERROR, EXIT_OK, EXIT_OOM, EXIT_USAGE, CliError,
+                               fmt_bytes, json_out, load_trace, say, Parser, progress_for, replay_cfg)
+from gpumem.cli_demo import cmd_demo
+
 __all__ = ["main", "build_parser", "DEMO_TRACE"]
-
-#: the small trace shipped with gpumem: step 1 of resnet50_train from data/traces (buffers
-#: live at the start of the step allocated first, everything freed at the end)
-DEMO_TRACE = Path(__file__).resolve().parent / "data" / "resnet50_train_step1.csv.gz"
-
-EXIT_OK = 0
-EXIT_ERROR = 1
-EXIT_USAGE = 2
-EXIT_OOM = 2
-#: traces at least this long get a progress bar when stderr is a terminal
-PROGRESS_MIN_EVENTS = 200_000
-
-
-class CliError(Exception):
-    """A failure to report as one line, with its exit status."""
-
-    def __init__(self, message: str, status: int = EXIT_ERROR) -> None:
-        super().__init__(message)
-        self.status = status
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]
-        hint = f" (see '{self.prog} --help')"
-        raise CliError(f"{message}{hint}", EXIT_USAGE)
-
-
-#: where the human-readable report goes: stdout, or stderr while stdout carries JSON
-_report_to_stderr = False
-
-
-def _out(text: str = "") -> None:
-    """A line of the report (stderr when the command writes JSON to stdout)."""
-    print(text, file=sys.stderr if _report_to_stderr else sys.stdout)
-
-
-def _json_out(obj: Any) -> None:
-    """JSON on stdout, newline-terminated."""
-    sys.stdout.write(json.dumps(obj, indent=1) + "\n")
-
-
-def _fb(n: float) -> str:
-    from gpumem.units import format_bytes
-    return format_bytes(n)
-
 
 # --- info ---------------------------------------------------------------------------------------------
 def cmd_info(args: argparse.Namespace) -> int:
@@ -104,18 +62,18 @@ def cmd_info(args: argparse.Namespace) -> int:
                    pressure=pressure_level(ratio, config.pressure_thresholds).name)
         rows.append(row)
     if args.json:
-        _json_out(rows)
+        json_out(rows)
         return EXIT_OK
-    _out(f"{'device':<10} {'name':<32} {'total':>11} {'free':>11} {'usable':>11}  pressure")
+    say(f"{'device':<10} {'name':<32} {'total':>11} {'free':>11} {'usable':>11}  pressure")
     for r in rows:
         if not r["available"]:
-            _out(f"{r['device']:<10} unavailable: {r['reason']}")
+            say(f"{r['device']:<10} unavailable: {r['reason']}")
             continue
         name = r["name"] if len(r["name"]) <= 32 else r["name"][:31] + "~"
-        _out(f"{r['device']:<10} {name:<32} {_fb(r['total_memory']):>11} "
-             f"{_fb(r['free_memory']):>11} {_fb(r['usable_memory']):>11}  "
+        say(f"{r['device']:<10} {name:<32} {fmt_bytes(r['total_memory']):>11} "
+             f"{fmt_bytes(r['free_memory']):>11} {fmt_bytes(r['usable_memory']):>11}  "
              f"{r['pressure']} ({r['used_ratio']:.0%} of usable in use)")
-    _out(f"usable = min(total x gpu_memory_fraction {config.gpu_memory_fraction}, total - "
+    say(f"usable = min(total x gpu_memory_fraction {config.gpu_memory_fraction}, total - "
          f"reserve); pressure counts memory already in use on the device")
     return EXIT_OK
 
@@ -128,10 +86,10 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     from gpumem.estimate import MODEL_PRESETS, ModelShape, parse_dtype, preset
     from gpumem.estimate_training import estimate_training_memory
     if args.list:
-        _out(f"{'preset':<14} {'parameters':>16}  layers  hidden  heads/kv  experts  max seq")
+        say(f"{'preset':<14} {'parameters':>16}  layers  hidden  heads/kv  experts  max seq")
         for name, sh in sorted(MODEL_PRESETS.items()):
             experts = f"{sh.experts_per_token}/{sh.num_experts}" if sh.num_experts > 1 else "-"
-            _out(f"{name:<14} {sh.parameter_count():>16,}  {sh.num_layers:>6}  "
+            say(f"{name:<14} {sh.parameter_count():>16,}  {sh.num_layers:>6}  "
                  f"{sh.hidden_size:>6}  {f'{sh.num_heads}/{sh.num_kv_heads}':>8}  "
                  f"{experts:>7}  {sh.max_seq_len or '-':>7}")
         return EXIT_OK
@@ -167,64 +125,43 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         est = shape.estimate(seq_len, args.batch, args.dtype)
         mode = "inference"
     if args.json:
-        _json_out({"model": what, "mode": "training" if args.training else "inference",
+        json_out({"model": what, "mode": "training" if args.training else "inference",
                    "optimizer": args.optimizer if args.training else None,
                    "dtype": args.dtype, "seq_len": seq_len, "batch": args.batch,
                    **est.as_dict()})
         return EXIT_OK
     default = "" if args.seq_len is not None else " (the model's maximum)"
-    _out(f"{what}, {mode}, {args.dtype}, batch {args.batch} x {seq_len} tokens{default}")
-    _out(str(est))
+    say(f"{what}, {mode}, {args.dtype}, batch {args.batch} x {seq_len} tokens{default}")
+    say(str(est))
     if args.device:
         from gpumem.manager import MemoryManager
         from gpumem.replay import open_replay_device
         with MemoryManager(open_replay_device(args.device)) as mm:
             usable = mm.usable_memory
         verdict = "fits" if est.total_bytes <= usable else "does NOT fit"
-        _out(f"{verdict} in the {_fb(usable)} usable on {args.device}")
+        say(f"{verdict} in the {fmt_bytes(usable)} usable on {args.device}")
     return EXIT_OK
 
 
 # --- replay -------------------------------------------------------------------------------------------
-def _load(trace: str) -> Any:
-    from gpumem.trace import read_trace
-    if trace == "demo":
-        return read_trace(DEMO_TRACE)
-    return read_trace(trace)
-
-
-def _progress_for(n_events: int, flag: bool | None) -> bool:
-    if flag is not None:
-        return flag
-    return n_events >= PROGRESS_MIN_EVENTS and sys.stderr.isatty()
-
-
-def _replay_cfg(args: argparse.Namespace) -> Any:
-    """The --config preset, with expandable segments when --expandable-segments is given."""
-    if not getattr(args, "expandable_segments", False):
-        return args.config
-    from gpumem.replay import replay_config
-    return replay_config(args.config).replace(expandable_segments=True)
-
-
 def cmd_replay(args: argparse.Namespace) -> int:
     from gpumem.replay import replay
-    data = _load(args.trace)
+    data = load_trace(args.trace)
     if args.list_phases:
         if not data.phases:
-            _out(f"{data.name}: no phases (no .json sidecar next to the trace)")
+            say(f"{data.name}: no phases (no .json sidecar next to the trace)")
         for p in data.phases:
-            _out(f"{p.name:<14} rows {p.first_row:>7}..{p.end_row:<7} ({len(p):,} events)")
+            say(f"{p.name:<14} rows {p.first_row:>7}..{p.end_row:<7} ({len(p):,} events)")
         return EXIT_OK
-    res = replay(data, args.device, _replay_cfg(args), phase=args.phase,
-                 progress=_progress_for(len(data), args.progress),
+    res = replay(data, args.device, replay_cfg(args), phase=args.phase,
+                 progress=progress_for(len(data), args.progress),
                  record_series=bool(args.plot), snapshot_at="peak" if args.segments else None,
                  stop_on_oom=False)
-    _out(str(res))
+    say(str(res))
     _write_outputs(res, args)
     if res.num_ooms:
         raise CliError(f"{res.num_ooms:,} allocation(s) of the trace did not fit on "
-                       f"{args.device} ({_fb(res.failed_bytes)} refused); use a larger "
+                       f"{args.device} ({fmt_bytes(res.failed_bytes)} refused); use a larger "
                        f"device or another --config", EXIT_OOM)
     return EXIT_OK
 
@@ -234,36 +171,36 @@ def _write_outputs(res: Any, args: argparse.Namespace) -> None:
         _write_json(res.as_dict(), args.json)
     if getattr(args, "plot", None):
         from gpumem.plot import plot_timeline
-        _out(f"wrote {plot_timeline(res, args.plot)}")
+        say(f"wrote {plot_timeline(res, args.plot)}")
     if getattr(args, "segments", None) and res.snapshot is not None:
         from gpumem.plot import plot_segments
-        _out(f"wrote {plot_segments(res.snapshot, args.segments)}")
+        say(f"wrote {plot_segments(res.snapshot, args.segments)}")
 
 
 def _write_json(obj: Any, dest: str) -> None:
     if dest == "-":
-        _json_out(obj)
+        json_out(obj)
         return
     text = json.dumps(obj, indent=1)
     try:
         Path(dest).write_text(text + "\n", encoding="utf-8")
     except OSError as exc:
         raise CliError(f"cannot write {dest}: {exc.strerror or exc}") from None
-    _out(f"wrote {dest}")
+    say(f"wrote {dest}")
 
 
 # --- plot ---------------------------------------------------------------------------------------------
 def cmd_plot(args: argparse.Namespace) -> int:
     from gpumem.plot import plot_segments, plot_timeline
     from gpumem.replay import replay
-    data = _load(args.trace)
-    res = replay(data, args.device, _replay_cfg(args), phase=args.phase, record_series=True,
+    data = load_trace(args.trace)
+    res = replay(data, args.device, replay_cfg(args), phase=args.phase, record_series=True,
                  snapshot_at="peak" if args.segments else None,
-                 progress=_progress_for(len(data), None))
-    _out(f"wrote {plot_timeline(res, args.out, x=args.x)}")
+                 progress=progress_for(len(data), None))
+    say(f"wrote {plot_timeline(res, args.out, x=args.x)}")
     if args.segments and res.snapshot is not None:
-        _out(f"wrote {plot_segments(res.snapshot, args.segments)}")
-    _out(f"peak live {_fb(res.peak_live_bytes)}, peak reserved {_fb(res.peak_reserved_bytes)} "
+        say(f"wrote {plot_segments(res.snapshot, args.segments)}")
+    say(f"peak live {fmt_bytes(res.peak_live_bytes)}, peak reserved {fmt_bytes(res.peak_reserved_bytes)} "
          f"(reserved/live {res.reserved_live_ratio:.3f}), hit rate {res.hit_rate:.1%}")
     if res.num_ooms:
         raise CliError(f"{res.num_ooms:,} allocation(s) did not fit on {args.device}", EXIT_OOM)
@@ -301,20 +238,20 @@ def cmd_snapshot(args: argparse.Namespace) -> int:
                 snap = mm.snapshot()
                 for b in live:
                     b.free()
-    _out(format_snapshot(snap, max_segments=args.max_segments))
+    say(format_snapshot(snap, max_segments=args.max_segments))
     if args.json:
         from gpumem.snapshot import save_snapshot
         if args.json == "-":
-            _json_out(snap)
+            json_out(snap)
         else:
             try:
                 save_snapshot(snap, args.json)
             except OSError as exc:
                 raise CliError(f"cannot write {args.json}: {exc.strerror or exc}") from None
-            _out(f"wrote {args.json}")
+            say(f"wrote {args.json}")
     if args.plot:
         from gpumem.plot import plot_segments
-        _out(f"wrote {plot_segments(snap, args.plot, normalize=args.normalize)}")
+        say(f"wrote {plot_segments(snap, args.plot, normalize=args.normalize)}")
     return EXIT_OK
 
 
@@ -333,151 +270,10 @@ def cmd_summary(args: argparse.Namespace) -> int:
         finally:
             for b in live:
                 b.free()
-    _out(format_summary(data))               # on stderr when --json - takes stdout
+    say(format_summary(data))               # on stderr when --json - takes stdout
     if args.json:
         _write_json(data, args.json)
     return EXIT_OK
-
-
-# --- demo ---------------------------------------------------------------------------------------------
-#: width of the demo's step labels (the longest label fits)
-_DEMO_LABEL = 50
-
-
-def _demo_step(mm: Any, label: str, fn: Any) -> Any:
-    # the label goes out before the step runs: an error the step raises is printed after it
-    sys.stdout.write(f"  {label:<{_DEMO_LABEL}} ")
-    sys.stdout.flush()
-    before = mm.stats()
-    try:
-        out = fn()
-    except Exception as exc:
-        _out(f"{type(exc).__name__}")
-        raise
-    after = mm.stats()
-    hits = after.pool_hits - before.pool_hits
-    misses = after.pool_misses - before.pool_misses
-    new_segs = after.segments_created - before.segments_created
-    released = after.segments_released - before.segments_released
-    what = []
-    if hits:
-        what.append(f"{hits} hit{'s' if hits > 1 else ''}")
-    if misses:
-        what.append(f"{misses} miss{'es' if misses > 1 else ''}")
-    if new_segs:
-        what.append(f"+{new_segs} segment{'s' if new_segs > 1 else ''}")
-    if released:
-        what.append(f"-{released} segment{'s' if released > 1 else ''}")
-    _out(f"{', '.join(what) or 'no pool traffic':<30} "
-         f"in use {_fb(after.in_use_bytes):>10}, reserved {_fb(after.total_allocated_bytes):>10}")
-    return out
-
-
-def _demo_manual(dev: Any) -> None:
-    import gpumem_sim
-    from gpumem.config import MemoryConfig
-    from gpumem.errors import OutOfMemoryError
-    from gpumem.manager import MemoryManager
-    from gpumem.snapshot import format_snapshot
-    MiB, GiB = 1 << 20, 1 << 30
-    with gpumem_sim.using(dev):
-        cfg = MemoryConfig(track_allocations=True, min_free_bytes=0, cpu_fallback_enabled=True)
-        with MemoryManager("sim:0", cfg) as mm:
-            step = lambda label, fn: _demo_step(mm, label, fn)  # noqa: E731
-            a = step("malloc 3 MiB (first request)", lambda: mm.malloc(3 * MiB, tag="act"))
-            b = step("malloc 3 MiB again (same segment)", lambda: mm.malloc(3 * MiB, tag="act"))
-            small = step("malloc 100 x 4 KiB (small pool)",
-                         lambda: [mm.malloc(4096, tag="small") for _ in range(100)])
-            step("free the first 3 MiB buffer", a.free)
-            a = step("malloc 3 MiB (reuses the freed block)",
-                     lambda: mm.malloc(3 * MiB, tag="act"))
-            w = step("malloc 160 MiB of weights (own segment)",
-                     lambda: mm.malloc(160 * MiB, tag="weights"))
-            step("free the small buffers", lambda: [s.free() for s in small])
-            try:
-                step("malloc 1 GiB (more than the device)", lambda: mm.malloc(1 * GiB))
-            except OutOfMemoryError as exc:
-                _out(f"    -> {exc}")
-            fb = step("malloc 64 MiB (device nearly full: CPU fallback)",
-                      lambda: mm.malloc(64 * MiB, tag="spill"))
-            _out(f"    -> {fb!r}")
-            fb.free()
-            _out("")
-            _out("  " + str(mm.stats()).replace("; ", ";\n  "))
-            leaks = mm.check_leaks()
-            _out(f"  still live (tracked): {len(leaks)} buffer(s): "
-                 + ", ".join(f"{m.tag} {_fb(m.nbytes)}" for m in leaks))
-            _out("")
-            _out("  " + format_snapshot(mm.snapshot(), max_segments=6,
-                                         max_blocks=4).replace("\n", "\n  "))
-            for buf in (a, b, w):
-                buf.free()
-            released = mm.empty_cache()
-            _out(f"  freed everything; empty_cache() returned {_fb(released)} to the device")
-
-
-class _DropWarnings(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno != logging.WARNING
-
-
-def cmd_demo(args: argparse.Namespace) -> int:
-    import gpumem_sim
-    from gpumem.errors import CpuFallbackWarning
-
-    _out("gpumem demo: a caching allocator on a simulated GPU (gpumem_sim, no GPU needed)")
-    _out("")
-    _out("1. Hand-made allocations on a simulated 256 MiB device")
-    dev = gpumem_sim.SimDevice("256MiB", name="demo sim 256 MiB")
-    # the OOM, the fallback and the fragmentation below are on purpose and the demo prints
-    # them itself: their log warnings and the CpuFallbackWarning are kept for -v
-    quiet = None if args.verbose else _DropWarnings()
-    logger = logging.getLogger("gpumem")
-    if quiet is not None:
-        logger.addFilter(quiet)
-    try:
-        with warnings.catch_warnings():
-            if not args.verbose:
-                warnings.simplefilter("ignore", CpuFallbackWarning)
-            _demo_manual(dev)
-            _demo_replay(args)
-    finally:
-        if quiet is not None:
-            logger.removeFilter(quiet)
-    return EXIT_OK
-
-
-def _demo_replay(args: argparse.Namespace) -> None:
-    from gpumem.replay import replay
-
-    _out("")
-    trace = args.trace or str(DEMO_TRACE)
-    data = _load(trace)
-    _out(f"2. Replay of a real PyTorch allocation trace: {data.name} "
-         f"({len(data):,} events, peak live {_fb(data.peak_live_bytes)})")
-    res = replay(data, args.device, _replay_cfg(args), record_series=bool(args.plot),
-                 snapshot_at="peak", progress=_progress_for(len(data), None))
-    _out("  " + str(res).replace("\n", "\n  "))
-    waste = res.peak_reserved_bytes - res.peak_live_bytes
-    _out(f"  peak reserved exceeds peak live by {_fb(waste)} "
-         f"({res.reserved_live_ratio - 1:.1%}); {res.hit_rate:.1%} of the requests were "
-         f"served from the cache without a driver call")
-    if res.snapshot is not None:
-        from gpumem.snapshot import summarize
-        sm = summarize(res.snapshot)
-        _out(f"  at the peak: {sm['segments']} segments, {sm['allocated_blocks']:,} live blocks, "
-             f"{sm['free_blocks']} free blocks of {_fb(sm['free_bytes'])} (largest "
-             f"{_fb(sm['largest_free_block'])})")
-    if args.plot:
-        from gpumem.plot import plot_segments, plot_timeline
-        p = Path(args.plot)
-        seg_path = p.with_name(p.stem + "_segments" + (p.suffix or ".png"))
-        _out(f"  wrote {plot_timeline(res, p)}")
-        if res.snapshot is not None:
-            _out(f"  wrote {plot_segments(res.snapshot, seg_path)}")
-    if res.num_ooms:
-        raise CliError(f"{res.num_ooms:,} allocation(s) of the trace did not fit on "
-                       f"{args.device}", EXIT_OOM)
 
 
 # --- import-torch -------------------------------------------------------------------------------------
@@ -490,14 +286,14 @@ def cmd_import_torch(args: argparse.Namespace) -> int:
     except OSError as exc:
         raise CliError(f"cannot write {args.output}: {exc.strerror or exc}") from None
     meta = data.metadata
-    _out(f"wrote {args.output}: {n:,} events ({data.n_allocs:,} allocs) of device "
-         f"{meta['device']}, peak live {_fb(data.peak_live_bytes)}")
+    say(f"wrote {args.output}: {n:,} events ({data.n_allocs:,} allocs) of device "
+         f"{meta['device']}, peak live {fmt_bytes(data.peak_live_bytes)}")
     if meta["orphan_frees"]:
-        _out(f"  left out {meta['orphan_frees']:,} free(s) of memory allocated before the "
+        say(f"  left out {meta['orphan_frees']:,} free(s) of memory allocated before the "
              f"recording started")
     if meta["live_at_end"]:
-        _out(f"  {meta['live_at_end']:,} allocation(s) still live at the end (kept, no free)")
-    _out(f"next: gpumem replay {args.output} --device sim:24GiB")
+        say(f"  {meta['live_at_end']:,} allocation(s) still live at the end (kept, no free)")
+    say(f"next: gpumem replay {args.output} --device sim:24GiB")
     return EXIT_OK
 
 
@@ -521,22 +317,22 @@ def cmd_cluster(args: argparse.Namespace) -> int:
     finally:
         client.close()
     if args.json:
-        _out(json.dumps(rows, indent=1, default=str))
+        say(json.dumps(rows, indent=1, default=str))
     else:
-        _out(format_report(rows))
+        say(format_report(rows))
     return EXIT_OK
 
 
 # --- parser -------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     from gpumem.replay import CONFIG_PRESETS
-    p = _Parser(prog="gpumem", description="gpumem: a caching GPU memory allocator. See what "
+    p = Parser(prog="gpumem", description="gpumem: a caching GPU memory allocator. See what "
                 "it does with your allocations.")
     p.add_argument("-v", "--verbose", action="count", default=0,
                    help="show the allocator's DEBUG log (segments grown and released)")
     from gpumem import __version__
     p.add_argument("--version", action="version", version=f"gpumem {__version__}")
-    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
 
     s = sub.add_parser("info", help="devices of every backend with their memory")
     s.add_argument("--json", action="store_true", help="print JSON")
@@ -667,8 +463,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help(sys.stderr)
         return EXIT_USAGE
-    global _report_to_stderr
-    _report_to_stderr = getattr(args, "json", None) == "-"
+    cli_common.report_to_stderr = getattr(args, "json", None) == "-"
     handler = configure_logging(args.verbose)
     try:
         return args.func(args)
@@ -692,5 +487,5 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"traceback)", file=sys.stderr)
         return EXIT_ERROR
     finally:
-        _report_to_stderr = False
+        cli_common.report_to_stderr = False
         remove_handler(handler)
