@@ -148,6 +148,18 @@ def parse_dtype(dtype: Any) -> int:
 # result type
 # ---------------------------------------------------------------------------------------------
 
+def format_breakdown(parameters: int, rows: list[tuple[str, int]]) -> str:
+    """The table an estimate prints: one row per component in bytes, GiB and GB, the last row
+    (the total) under a rule."""
+    lines = [f"parameters: {parameters:,}",
+             f"{'component':<12} {'bytes':>18} {'GiB':>10} {'GB':>10}"]
+    for i, (label, n) in enumerate(rows):
+        if i == len(rows) - 1:
+            lines.append("-" * 53)
+        lines.append(f"{label:<12} {n:>18,} {n / GiB:>10.3f} {n / GB:>10.3f}")
+    return "\n".join(lines)
+
+
 @dataclass(frozen=True)
 class MemoryEstimate:
     """Estimated inference memory; ``total_bytes == model + kv_cache + activation bytes``."""
@@ -231,13 +243,7 @@ class MemoryEstimate:
             ("activations", self.activation_bytes),
             ("total", self.total_bytes),
         ]
-        lines = [f"parameters: {self.parameters:,}",
-                 f"{'component':<12} {'bytes':>18} {'GiB':>10} {'GB':>10}"]
-        for label, n in rows:
-            if label == "total":
-                lines.append("-" * 53)
-            lines.append(f"{label:<12} {n:>18,} {n / GiB:>10.3f} {n / GB:>10.3f}")
-        return "\n".join(lines)
+        return format_breakdown(self.parameters, rows)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from gpumem.errors import InvalidInputError
-from gpumem.estimate import GB, ModelShape, _positive_int, parse_dtype, preset
+from gpumem.estimate import ModelShape, _positive_int, format_breakdown, parse_dtype, preset
 from gpumem.units import GiB, MiB
 
 __all__ = ["TrainingEstimate", "estimate_training_memory", "OPTIMIZER_STATES"]
@@ -68,13 +68,7 @@ class TrainingEstimate:
         rows = [("weights", self.model_bytes), ("gradients", self.gradient_bytes),
                 ("optimizer", self.optimizer_bytes), ("activations", self.activation_bytes),
                 ("total", self.total_bytes)]
-        lines = [f"parameters: {self.parameters:,}",
-                 f"{'component':<12} {'bytes':>18} {'GiB':>10} {'GB':>10}"]
-        for label, n in rows:
-            if label == "total":
-                lines.append("-" * 53)
-            lines.append(f"{label:<12} {n:>18,} {n / GiB:>10.3f} {n / GB:>10.3f}")
-        return "\n".join(lines)
+        return format_breakdown(self.parameters, rows)
 
 
 def estimate_training_memory(model: str | ModelShape, seq_len: int | None = None,
