@@ -11,6 +11,11 @@ runs: no manager method, no driver call. Weak references carry no callbacks (dea
 pruned under the lock on the next access), so a manager's ``__del__`` never touches this module
 and never waits for ``_lock``.
 
+Fork: just before fork() the forking thread takes ``_lock`` and every open manager's pool locks
+(C spin locks that a thread without the GIL may hold, e.g. torch's allocator threads), and
+releases them in both processes afterwards; a child never inherits a lock held by a thread it
+does not have, nor a pool halfway through an update.
+
 A peer is asked only if its own slow-path lock is free at that moment (a non-blocking acquire):
 two managers running out of memory at once never wait for each other, so no lock-order deadlock
 is possible; a busy peer is skipped.
@@ -87,11 +92,41 @@ def release_peer_caches(manager: MemoryManager) -> int:
     return released
 
 
+_held_for_fork: list = []      # the pools whose C locks the forking thread holds
+
+
+def _before_fork() -> None:
+    """Take the registry lock and every open manager's pool locks (gpumem/_core/pool.pyx
+    ``_hold_for_fork``), so that no thread is inside a pool when fork() copies it. Locks of
+    different pools are never nested elsewhere, so taking them one after another cannot
+    deadlock."""
+    _lock.acquire()
+    for refs in _peers.values():
+        for ref in refs:
+            manager = ref()
+            if manager is not None and not manager.closed:
+                manager.pool._hold_for_fork()
+                _held_for_fork.append(manager.pool)
+
+
+def _release_held() -> None:
+    for pool in _held_for_fork:
+        pool._release_after_fork()
+    _held_for_fork.clear()
+
+
+def _after_fork_in_parent() -> None:
+    _release_held()
+    _lock.release()
+
+
 def _after_fork_in_child() -> None:
-    """Only the forking thread exists in a child: locks other threads held are rebuilt, and so
-    is every manager's per-process state (worker threads, locks; see
-    MemoryManager._after_fork_in_child). Runs alone, so it reads the registry unlocked."""
+    """Only the forking thread exists in a child: the pool locks it took before fork() are
+    released; Python locks other threads may have held are rebuilt, and so is every manager's
+    per-process state (worker threads, locks; see MemoryManager._after_fork_in_child). Runs
+    alone, so it reads the registry unlocked."""
     global _lock
+    _release_held()
     _lock = threading.Lock()
     for refs in list(_peers.values()):
         for ref in refs:
@@ -101,4 +136,5 @@ def _after_fork_in_child() -> None:
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
+    os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
+                        after_in_child=_after_fork_in_child)

@@ -10,10 +10,14 @@ the real cuda-python. A real torch training step on a GPU is in ci/gpu.sh only.
 from __future__ import annotations
 
 import ctypes
+import os
 import shutil
+import signal
 import subprocess
 import textwrap
 import threading
+import time
+import warnings
 
 import pytest
 
@@ -339,3 +343,87 @@ def test_an_unbound_device_uses_the_shared_manager(torch_backend, lib):
     finally:
         native.unbind(DEV)
         gpumem.get_manager("cuda:0").close()
+
+
+FORK_HAMMER_C = textwrap.dedent("""
+    #include <stddef.h>
+    #include <sys/types.h>
+    typedef void *(*alloc_fn)(ssize_t, int, void *);
+    typedef void (*free_fn)(void *, ssize_t, int, void *);
+    /* Alloc/free pairs of varied sizes (front-cache hits and pool-path carving) until *stop. */
+    void churn(alloc_fn a, free_fn f, volatile int *stop, volatile int *started) {
+        unsigned i = 0;
+        *started = 1;
+        while (!*stop) {
+            ssize_t n = (ssize_t)(512u << (i++ % 12));
+            void *p = a(n, 0, NULL);
+            if (p != NULL) f(p, n, 0, NULL);
+        }
+    }
+""")
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
+def test_fork_while_a_thread_allocates_without_the_gil(make_bound, lib, tmp_path):
+    """fork() while another thread is inside the pool (ctypes drops the GIL around the C loop,
+    as torch's own threads call the allocator): the child must find every C lock free — the
+    pool's, its front caches', the torch table's — or its first empty_cache or allocation
+    spins forever on a lock whose holder does not exist there. 40 forks; each child empties
+    the cache, allocates through Python and through the torch entry points, checks the pool's
+    invariants and exits 0 within 20 s. Before the fork hooks took the locks, some children
+    hung (their parent saw the timeout)."""
+    gcc = shutil.which("gcc")
+    if gcc is None:
+        pytest.skip("gcc is not on PATH")
+    mm = make_bound()
+    so, src = tmp_path / "churn.so", tmp_path / "churn.c"
+    src.write_text(FORK_HAMMER_C)
+    subprocess.run([gcc, "-O1", "-shared", "-fPIC", "-o", str(so), str(src)], check=True)
+    churn = ctypes.CDLL(str(so))                # releases the GIL around churn()
+    churn.churn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_int),
+                            ctypes.POINTER(ctypes.c_int)]
+    stop, started = ctypes.c_int(0), ctypes.c_int(0)
+    t = threading.Thread(target=churn.churn, args=(
+        ctypes.cast(lib.gpumem_torch_alloc, ctypes.c_void_p),
+        ctypes.cast(lib.gpumem_torch_free, ctypes.c_void_p),
+        ctypes.byref(stop), ctypes.byref(started)))
+    t.start()
+    hung = failed = 0
+    try:
+        while not started.value:
+            time.sleep(0.001)
+        for _ in range(40):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)  # fork with threads
+                pid = os.fork()
+            if pid == 0:                        # child: its exit code says whether it worked
+                code = 1
+                try:
+                    mm.empty_cache()
+                    mm.malloc(3 * MiB).free()
+                    p = lib.gpumem_torch_alloc(MiB, DEV, None)
+                    lib.gpumem_torch_free(p, MiB, DEV, None)
+                    mm.pool.check_invariants()
+                    code = 0 if p else 2
+                finally:
+                    os._exit(code)
+            deadline = time.monotonic() + 20
+            while True:
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    failed += not (os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0)
+                    break
+                if time.monotonic() > deadline:
+                    os.kill(pid, signal.SIGKILL)
+                    os.waitpid(pid, 0)
+                    hung += 1
+                    break
+                time.sleep(0.002)
+            if hung:
+                break
+    finally:
+        stop.value = 1
+        t.join(30)
+    assert hung == 0 and failed == 0, f"{hung} child(ren) hung, {failed} failed"
+    assert mm.stats().in_use_bytes == 0
+    check(mm)

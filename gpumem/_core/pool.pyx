@@ -62,7 +62,7 @@ from gpumem._core._pool_inline cimport (
     aligned_alloc, gm_add, gm_sub, gm_max, _lock, _unlock, _lock_gil, _shard_lock,
     _shard_lock_gil, _shard_unlock, _record, _ring_init, _class_of, _heap_insert, _heap_remove,
     _take_fit, _new_block, _drop_block, _slot, _register_stream, _coalesce_insert,
-    _round_up, _round_size, _find_segment, _last_block)
+    _round_up, _round_size, _find_segment, _last_block, _lock_all_gil, _unlock_all)
 from gpumem._core._pool_front cimport _my_shard, _front_take, _front_put, _top_up_serials
 from gpumem._core cimport pool_history, pool_inspect, pool_segments
 
@@ -571,6 +571,18 @@ cdef class CachingPool:
     @property
     def peak_reserved_bytes(self) -> int:
         return self._p.stats.peak_reserved_bytes.load()
+
+    # --- fork (gpumem.peers runs these from os.register_at_fork) --------------------------------
+    def _hold_for_fork(self) -> None:
+        """Take every lock of the pool (its front caches', then its own) just before fork(),
+        so that no other thread is halfway through an update in the child's copy, and the
+        child never inherits a lock whose holder does not exist there. Waits with the GIL
+        released; a holder never needs the GIL, so the wait is short."""
+        _lock_all_gil(self._p)
+
+    def _release_after_fork(self) -> None:
+        """Undo _hold_for_fork, in the parent and in the child."""
+        _unlock_all(self._p)
 
     def reset_peaks(self) -> None:
         _lock_gil(self._p)

@@ -30,7 +30,8 @@ Shared state and its locks:
   reclaimed for that reason (it is kept, a few dozen bytes, never freed).
 - ``_table``: guarded by ``_table_lock``, a C spin lock. Under it only C runs: no Python object
   is created or released. A thread that holds the GIL tries the lock once and otherwise
-  releases the GIL while it waits.
+  releases the GIL while it waits. fork() takes it first (``os.register_at_fork``) and both
+  processes release it after, so a child never inherits it held by a thread it lacks.
 - Counters: ``std::atomic``, read without a lock. Those the hot path bumps (hits, misses,
   frees, per-device live) are written only under ``_table_lock``, with a relaxed load and
   store, so a hit costs no extra locked instruction; the rare ones use ``fetch_add``.
@@ -45,6 +46,7 @@ from gpumem._core.pool cimport (CachingPool, gm_pool, gm_block, gm_alloc, gm_fre
                                 gm_block_address, GM_OK)
 
 import atexit
+import os
 import warnings
 
 from gpumem._core.buffer import Buffer, ManagerCore
@@ -430,3 +432,16 @@ def _at_exit() -> None:
 
 
 atexit.register(_at_exit)
+
+
+def _before_fork() -> None:
+    _lock_table()
+
+
+def _after_fork() -> None:
+    _unlock_table()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(before=_before_fork, after_in_parent=_after_fork,
+                        after_in_child=_after_fork)
