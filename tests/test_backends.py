@@ -25,6 +25,7 @@ import pytest
 
 from gpumem.backends import open_device
 from gpumem.backends import cuda as cuda_mod
+from gpumem.backends import cuda_host
 from gpumem.backends import host as host_mod
 from gpumem.backends import opencl as opencl_mod
 from gpumem.backends.base import DeviceProperties
@@ -871,7 +872,7 @@ def test_check_helper_with_real_cuda_python_enums():
 def test_host_pinned_through_cuda(monkeypatch):
     drv = FakeDriver()
     monkeypatch.setattr(cuda_mod, "BACKEND", cuda_mod.CudaBackend(driver=drv))
-    monkeypatch.setattr(cuda_mod, "_pinned_ctx", None)
+    monkeypatch.setattr(cuda_host, "_pinned_ctx", None)
     dev = host_mod.HostBackend(pinned=True).open(0)
     assert dev.properties().extra["pinned"] is True
     h, base = dev.alloc_segment(10000)

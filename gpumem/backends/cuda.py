@@ -18,17 +18,19 @@ Streams are the driver's own ``CUstream`` handle values, so a stream made by ano
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 import weakref
 from typing import Any, Iterator
 
 from gpumem.backends.base import Backend, Device, DeviceProperties, check_block_range
+from gpumem.backends.cuda_driver import (_with_native_calls, check, load_driver, usable_memory,
+                                         usable_memory_reserve)
+from gpumem.backends.cuda_host import pinned_alloc, pinned_free, process_memory_usage
 from gpumem.backends.cuda_vmm import CudaVirtualMemory
 from gpumem.backends.host import buffer_address, byte_view
 from gpumem.errors import (BackendUnavailableError, DriverError, DriverOutOfMemory,
                            InvalidDeviceError, InvalidInputError)
-from gpumem.units import GiB, MiB, format_bytes
+from gpumem.units import format_bytes
 
 __all__ = ["CudaBackend", "CudaDevice", "BACKEND", "check", "usable_memory_reserve",
            "usable_memory", "process_memory_usage", "pinned_alloc", "pinned_free",
@@ -39,104 +41,6 @@ __all__ = ["CudaBackend", "CudaDevice", "BACKEND", "check", "usable_memory_reser
 CUDA_ALIGNMENT = 256
 
 _INSTALL_HINT = "cuda-python is not installed (pip install gpumem-pool[cuda])"
-
-
-# --------------------------------------------------------------------------------------------
-# Usable-memory reserve
-# --------------------------------------------------------------------------------------------
-def usable_memory_reserve(total: int, *, driver_overhead: int = 500 * MiB,
-                          context_overhead: int = 100 * MiB, fraction: float = 0.10,
-                          cap: int = 2 * GiB) -> int:
-    """Bytes of a device's ``total`` to leave alone when sizing a cache.
-
-    ``reserve = min(cap, driver_overhead + context_overhead + fraction * total)``, and never
-    more than ``total``. The defaults (500 MiB for the driver and its module images, 100 MiB
-    per CUDA context, 10 % of the device for other processes and fragmentation, at most 2 GiB)
-    keep a cache from taking memory the CUDA runtime itself needs later (cuBLAS workspaces,
-    kernel images loaded on first launch).
-    """
-    if total < 0:
-        raise InvalidInputError(f"total must be >= 0 bytes, got {total}")
-    if not 0.0 <= fraction <= 1.0:
-        raise InvalidInputError(f"fraction must be between 0 and 1, got {fraction}")
-    reserve = driver_overhead + context_overhead + int(fraction * total)
-    return max(0, min(reserve, cap, total))
-
-
-def usable_memory(total: int, **kwargs: Any) -> int:
-    """``total - usable_memory_reserve(total, **kwargs)``."""
-    return total - usable_memory_reserve(total, **kwargs)
-
-
-# --------------------------------------------------------------------------------------------
-# Driver loading and the return-code checker
-# --------------------------------------------------------------------------------------------
-def load_driver() -> Any:
-    """Import and return the ``cuda.bindings.driver`` module (or the older ``cuda.cuda``).
-
-    Raises ImportError when cuda-python is not installed; does not call the driver.
-    """
-    try:
-        from cuda.bindings import driver  # cuda-python >= 12.6
-    except ImportError:
-        from cuda import cuda as driver  # type: ignore[no-redef]  # cuda-python < 12.6
-    return driver
-
-
-def _with_native_calls(drv: Any) -> Any:
-    """``drv`` with its busy calls done by gpumem's Cython module when that was built (cuda.h
-    and cuda-python present at build time) and GPUMEM_CUDA_NATIVE is not 0; else ``drv``."""
-    if os.environ.get("GPUMEM_CUDA_NATIVE", "1") == "0":
-        return drv
-    try:
-        from gpumem.backends._cuda_native import NativeDriver
-    except ImportError:
-        return drv
-    return NativeDriver(drv)
-
-
-def _error_name(drv: Any, code: Any) -> str:
-    """The driver's name for a CUresult, e.g. ``CUDA_ERROR_OUT_OF_MEMORY``."""
-    try:
-        err, name = drv.cuGetErrorName(code)
-        if int(err) == 0 and name:
-            return name.decode() if isinstance(name, bytes) else str(name)
-    except Exception:
-        pass
-    return getattr(code, "name", None) or f"CUresult {int(code)}"
-
-
-def _error_string(drv: Any, code: Any) -> str:
-    try:
-        err, text = drv.cuGetErrorString(code)
-        if int(err) == 0 and text:
-            return text.decode() if isinstance(text, bytes) else str(text)
-    except Exception:
-        pass
-    return ""
-
-
-def check(drv: Any, result: Any, what: str) -> Any:
-    """Check one cuda-python call result ``(CUresult, *outputs)``.
-
-    Returns ``None``, the single output, or a tuple of outputs. A non-success code raises
-    :class:`DriverOutOfMemory` for ``CUDA_ERROR_OUT_OF_MEMORY`` and :class:`DriverError`
-    otherwise, both carrying ``code`` and ``code_name``.
-    """
-    if isinstance(result, tuple):
-        code, values = result[0], result[1:]
-    else:
-        code, values = result, ()
-    if int(code) != 0:
-        name = _error_name(drv, code)
-        text = _error_string(drv, code)
-        msg = f"{what} failed: {name}" + (f" ({text})" if text else "")
-        oom = int(drv.CUresult.CUDA_ERROR_OUT_OF_MEMORY)
-        cls = DriverOutOfMemory if int(code) == oom else DriverError
-        raise cls(msg, code=int(code), code_name=name)
-    if not values:
-        return None
-    return values[0] if len(values) == 1 else values
 
 
 # --------------------------------------------------------------------------------------------
@@ -593,120 +497,6 @@ class CudaDevice(CudaVirtualMemory, Device):
 
     def __repr__(self) -> str:
         return f"<CudaDevice {self.device_string}{' closed' if self.closed else ''}>"
-
-
-# --------------------------------------------------------------------------------------------
-# Pinned host memory (used by the "cpu" backend when CUDA is present)
-# --------------------------------------------------------------------------------------------
-_pinned_lock = threading.Lock()
-_pinned_ctx: tuple[Any, Any] | None = None      # (driver, primary context of device 0)
-
-
-def _pinned_context() -> tuple[Any, Any]:
-    global _pinned_ctx
-    with _pinned_lock:
-        if _pinned_ctx is None:
-            drv = BACKEND._require()
-            dev = check(drv, drv.cuDeviceGet(0), "cuDeviceGet")
-            ctx = check(drv, drv.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
-            _pinned_ctx = (drv, ctx)
-        return _pinned_ctx
-
-
-def _with_ctx(drv: Any, ctx: Any, what: str, fn: Any, *args: Any) -> Any:
-    check(drv, drv.cuCtxPushCurrent(ctx), "cuCtxPushCurrent")
-    try:
-        return check(drv, fn(*args), what)
-    finally:
-        drv.cuCtxPopCurrent()
-
-
-def pinned_alloc(nbytes: int) -> int:
-    """Page-locked host memory from ``cuMemHostAlloc`` (portable across contexts).
-
-    Returns the host address. Raises BackendUnavailableError without CUDA and
-    DriverOutOfMemory when the driver cannot lock that much memory.
-    """
-    if nbytes <= 0:
-        raise InvalidInputError(f"pinned allocation size must be positive, got {nbytes}")
-    drv, ctx = _pinned_context()
-    return int(_with_ctx(drv, ctx, "cuMemHostAlloc", drv.cuMemHostAlloc, nbytes,
-                         drv.CU_MEMHOSTALLOC_PORTABLE))
-
-
-def pinned_free(ptr: int) -> None:
-    """Free memory from :func:`pinned_alloc`."""
-    drv, ctx = _pinned_context()
-    _with_ctx(drv, ctx, "cuMemFreeHost", drv.cuMemFreeHost, ptr)
-
-
-# --------------------------------------------------------------------------------------------
-# NVML: memory used by this process
-# --------------------------------------------------------------------------------------------
-_NVML_NOT_AVAILABLE = (1 << 64) - 1   # NVML_VALUE_NOT_AVAILABLE for unsigned long long
-
-
-def process_memory_usage(index: int = 0, *, pid: int | None = None,
-                         pci_bus_id: str | None = None) -> int | None:
-    """Bytes of device memory NVML attributes to process ``pid`` (default: this one).
-
-    Uses ``cuda.bindings.nvml`` or else ``pynvml``; returns None when neither is importable,
-    NVML cannot be loaded, the process is not listed, or the platform does not report per
-    process usage (e.g. WDDM on Windows). ``pci_bus_id`` picks the device robustly when
-    ``CUDA_VISIBLE_DEVICES`` makes CUDA and NVML indices differ.
-    """
-    pid = os.getpid() if pid is None else pid
-    try:
-        return _nvml_bindings_usage(index, pid, pci_bus_id)
-    except ImportError:
-        pass
-    except Exception:
-        return None
-    try:
-        return _pynvml_usage(index, pid, pci_bus_id)
-    except Exception:
-        return None
-
-
-def _nvml_bindings_usage(index: int, pid: int, pci_bus_id: str | None) -> int | None:
-    from cuda.bindings import nvml
-    nvml.init_v2()
-    try:
-        if pci_bus_id:
-            handle = nvml.device_get_handle_by_pci_bus_id_v2(pci_bus_id)
-        else:
-            handle = nvml.device_get_handle_by_index_v2(index)
-        procs = nvml.device_get_compute_running_processes_v3(handle)
-        if len(procs) == 0:
-            return None
-        pids = procs.pid if len(procs) > 1 else [procs.pid]
-        used = procs.used_gpu_memory if len(procs) > 1 else [procs.used_gpu_memory]
-        return _sum_for_pid(pid, zip(pids, used, strict=True))
-    finally:
-        nvml.shutdown()
-
-
-def _pynvml_usage(index: int, pid: int, pci_bus_id: str | None) -> int | None:
-    import pynvml  # type: ignore[import-not-found]
-    pynvml.nvmlInit()
-    try:
-        if pci_bus_id:
-            handle = pynvml.nvmlDeviceGetHandleByPciBusId(pci_bus_id.encode())
-        else:
-            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-        procs = pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
-        return _sum_for_pid(pid, ((p.pid, p.usedGpuMemory) for p in procs))
-    finally:
-        pynvml.nvmlShutdown()
-
-
-def _sum_for_pid(pid: int, rows: Any) -> int | None:
-    total, seen = 0, False
-    for p, used in rows:
-        if int(p) == pid and used is not None and int(used) != _NVML_NOT_AVAILABLE:
-            total += int(used)
-            seen = True
-    return total if seen else None
 
 
 BACKEND = CudaBackend()

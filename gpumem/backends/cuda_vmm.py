@@ -1,6 +1,6 @@
 """Virtual memory on CUDA: the ``vm_*`` calls of the backend protocol over the driver's VMM API
 (``cuMemGetAllocationGranularity``, ``cuMemAddressReserve``/``Free``, ``cuMemCreate``/``Release``,
-``cuMemMap`` + ``cuMemSetAccess``, ``cuMemUnmap``), each through :func:`gpumem.backends.cuda.check`
+``cuMemMap`` + ``cuMemSetAccess``, ``cuMemUnmap``), each through :func:`gpumem.backends.cuda_driver.check`
 with the device's primary context current, like every other call of the cuda backend.
 
 These calls run on the pool's miss and release paths only, so they go through
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from gpumem.backends.cuda_driver import check
 from gpumem.errors import DriverError, InvalidInputError
 
 __all__ = ["CudaVirtualMemory"]
@@ -53,7 +54,6 @@ class CudaVirtualMemory:
     def supports_virtual_memory(self) -> bool:
         """The device attribute VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED (probed once)."""
         if self._vm_supported is None:
-            from gpumem.backends.cuda import check
             drv = self._drv
             attr = getattr(drv.CUdevice_attribute,
                            "CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED", None)

@@ -274,7 +274,7 @@ class HostDevice(Device):
 
     def _alloc_pinned(self, nbytes: int) -> _Segment | None:
         try:
-            from gpumem.backends.cuda import pinned_alloc
+            from gpumem.backends.cuda_host import pinned_alloc
             ptr = pinned_alloc(nbytes)
         except Exception:
             # Pinning is an optimisation: fall back to pageable memory and count it.
@@ -419,7 +419,7 @@ class HostDevice(Device):
 
 def _release(seg: _Segment) -> None:
     if seg.pinned:
-        from gpumem.backends.cuda import pinned_free
+        from gpumem.backends.cuda_host import pinned_free
         pinned_free(seg.address)
         return
     seg.holder = None          # drop the ctypes export first, or mmap.close() refuses
