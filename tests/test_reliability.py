@@ -9,10 +9,8 @@ from __future__ import annotations
 import copy
 import os
 import pickle
-import signal
 import sys
 import threading
-import time
 import warnings
 
 import pytest
@@ -20,6 +18,7 @@ import pytest
 import gpumem
 from gpumem.errors import ClosedManagerError, InvalidInputError, OutOfMemoryError
 from gpumem.units import MiB, TiB
+from forked import wait_for_child
 
 
 def _race(worker, n: int) -> list[BaseException]:
@@ -232,17 +231,7 @@ def test_malloc_async_in_a_forked_child(manager):
             code = 0
         finally:
             os._exit(code)
-    deadline = time.monotonic() + 20
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            break
-        if time.monotonic() > deadline:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            pytest.fail("malloc_async hung in the forked child")
-        time.sleep(0.02)
-    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+    assert wait_for_child(pid, 20) == 0, "malloc_async failed or hung in the forked child"
 
 
 # --- bug 7: close() always closes and releases -------------------------------------------------

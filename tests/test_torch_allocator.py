@@ -12,7 +12,6 @@ from __future__ import annotations
 import ctypes
 import os
 import shutil
-import signal
 import subprocess
 import textwrap
 import threading
@@ -25,6 +24,7 @@ from gpumem import MemoryConfig, MemoryManager
 from gpumem.backends import open_device
 from gpumem.errors import InvalidInputError
 from gpumem.integrations import torch as gm_torch
+from forked import wait_for_child
 from invariants import EXACT, backend_device, check, selected_backends
 
 MiB = 1 << 20
@@ -407,18 +407,9 @@ def test_fork_while_a_thread_allocates_without_the_gil(make_bound, lib, tmp_path
                     code = 0 if p else 2
                 finally:
                     os._exit(code)
-            deadline = time.monotonic() + 20
-            while True:
-                done, status = os.waitpid(pid, os.WNOHANG)
-                if done:
-                    failed += not (os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0)
-                    break
-                if time.monotonic() > deadline:
-                    os.kill(pid, signal.SIGKILL)
-                    os.waitpid(pid, 0)
-                    hung += 1
-                    break
-                time.sleep(0.002)
+            code = wait_for_child(pid, 20)
+            hung += code is None
+            failed += code not in (0, None)
             if hung:
                 break
     finally:
