@@ -15,7 +15,7 @@ collector holding `_collect_lock`.
 cimport cython
 from libc.stdint cimport uint64_t
 from libc.stdlib cimport calloc, free
-from cpython.long cimport PyLong_AsLongLong
+from cpython.long cimport PyLong_AsLongLong, PyLong_AsLongLongAndOverflow
 from cpython.dict cimport PyDict_GetItem
 from cpython.ref cimport PyObject
 
@@ -453,11 +453,12 @@ cdef class ManagerCore:
         framework's stream object, see `_stream_handle`), or a FallbackBuffer in host memory when the device is exhausted and CPU
         fallback is on (the config's ``cpu_fallback_enabled``, and `fallback` for this call).
         Raises OutOfMemoryError when neither can serve."""
-        cdef long long n
+        cdef long long n = -1
+        cdef int overflow = 0
         cdef uint64_t s
-        if type(nbytes) is int and 0 <= nbytes < _SIZE_TOO_BIG:
-            n = nbytes
-        else:
+        if type(nbytes) is int:          # C compares only: no Python int is built per call
+            n = PyLong_AsLongLongAndOverflow(nbytes, &overflow)
+        if overflow or not 0 <= n < _SIZE_TOO_BIG:
             n = _size_arg(nbytes)
         if stream is None:
             s = 0
