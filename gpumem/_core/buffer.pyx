@@ -122,6 +122,9 @@ cdef class Buffer:
     def manager(self):
         return self._owner
 
+    @cython.binding(False)
+    @cython.embedsignature(True)
+    @cython.embedsignature.format("clinic")
     def free(self) -> None:
         """Return the block to its pool. Freeing twice raises DoubleFreeError."""
         self._owner._release(self)
@@ -445,6 +448,11 @@ cdef class ManagerCore:
         self."""
         return <size_t>&self._closed, <size_t>&self._via_python
 
+    # plain method descriptors (not CyFunctions): mm.malloc(n) and buf.free() are direct calls;
+    # the signature stays visible to inspect through the clinic-format docstring
+    @cython.binding(False)
+    @cython.embedsignature(True)
+    @cython.embedsignature.format("clinic")
     def malloc(self, nbytes, *, stream=None, tag=None, fallback=True):
         """A Buffer of at least nbytes on this manager's device (stream: an int handle or any
         framework's stream object, see `_stream_handle`), or a FallbackBuffer in host memory when the device is exhausted and CPU
@@ -486,6 +494,9 @@ cdef class ManagerCore:
                 self._malloc_slow(n, s, tag, False)
         return self._wrap(b, <size_t>n, s, tag)
 
+    @cython.binding(False)
+    @cython.embedsignature(True)
+    @cython.embedsignature.format("clinic")
     def free(self, buffer) -> None:
         """Return a buffer to the pool (DoubleFreeError, ForeignBufferError on misuse)."""
         if type(buffer) is Buffer:
