@@ -48,16 +48,27 @@ def test_random_operations_keep_index_and_mapping_in_step():
             cache[ptr] = entry
             ref[ptr] = entry
         elif op < 0.75:
-            assert cache.pop(ptr, None) == ref.pop(ptr, None)
+            if ptr in ref:
+                assert cache._find(ptr, ref[ptr][0]) is ref[ptr][1]     # now the last hit
+            old = ref.pop(ptr, None)
+            assert cache.pop(ptr, None) == old
+            if old is not None:
+                assert cache._find(ptr, old[0]) is None                 # the last hit forgotten
         elif op < 0.9 and ptr in ref:
+            nbytes = ref[ptr][0]
+            assert cache._find(ptr, nbytes) is ref[ptr][1]
             del cache[ptr]
             del ref[ptr]
+            assert cache._find(ptr, nbytes) is None
         elif op < 0.9:
             with pytest.raises(KeyError):
                 del cache[ptr]
         elif op < 0.92:
+            for p, (n, obj, _) in ref.items():
+                assert cache._find(p, n) is obj
             cache.clear()
             ref.clear()
+            assert cache._find(ptr, 256) is None and cache._index_size() == 0
         elif ref:                            # eviction as the device does it: oldest first
             oldest = next(iter(cache))
             assert oldest == next(iter(ref))

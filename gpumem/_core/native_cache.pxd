@@ -13,5 +13,7 @@ cdef struct native_slot:
 cdef class NativeCache:
     cdef dict _entries                              # ptr -> (nbytes, object, handle), oldest first
     cdef unordered_map[size_t, native_slot] _index  # ptr -> (nbytes, object) of every entry
+    cdef size_t _last_ptr                           # the last hit, tried before the index
+    cdef native_slot _last                          # (obj NULL: none; reset by every write)
 
     cdef PyObject* find(self, size_t ptr, size_t nbytes) noexcept

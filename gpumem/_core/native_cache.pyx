@@ -5,11 +5,12 @@
 It is a mapping ``address -> (nbytes, object, segment handle)`` kept in insertion order (the
 device drops the oldest entry first), with a C index beside it so that ``Buffer.native`` finds
 an entry by the block's address and size with no Python object built (a dict lookup would
-build a Python int for the key on every call). The dict owns the entries; the index holds
-borrowed pointers to their objects and every method below keeps the two in step: an entry
-leaves the index before the dict may drop (and deallocate) its object, and enters the index
-only after the dict holds it, so the index never points at a freed object even if a
-deallocation runs other code in between.
+build a Python int for the key on every call); the last hit is tried before the index. The
+dict owns the entries; the index and the last hit hold borrowed pointers to their objects, and
+every method below keeps them in step: an entry leaves the index (and the last hit is
+forgotten) before the dict may drop (and deallocate) its object, and enters the index only
+after the dict holds it, so no borrowed pointer outlives its object even if a deallocation
+runs other code in between.
 
 Thread safety: the owning device serializes writers with its lock (``OpenCLDevice._lock``);
 readers hold the GIL, and no method here releases it between the index and the dict.
@@ -33,10 +34,15 @@ cdef class NativeCache:
 
     cdef PyObject* find(self, size_t ptr, size_t nbytes) noexcept:
         """The object cached for exactly ``nbytes`` at ``ptr`` (borrowed), or NULL."""
-        cdef unordered_map[size_t, native_slot].iterator it = self._index.find(ptr)
+        cdef unordered_map[size_t, native_slot].iterator it
+        if self._last.obj != NULL and ptr == self._last_ptr and nbytes == self._last.nbytes:
+            return self._last.obj          # the same block again: no hashing
+        it = self._index.find(ptr)
         if it == self._index.end() or deref(it).second.nbytes != nbytes:
             return NULL
-        return deref(it).second.obj
+        self._last_ptr = ptr
+        self._last = deref(it).second
+        return self._last.obj
 
     def __setitem__(self, ptr, entry) -> None:
         cdef size_t key = _address(ptr)
@@ -46,16 +52,19 @@ cdef class NativeCache:
                                     f"segment handle), got {entry!r}")
         slot.nbytes = _nbytes(entry[0])
         slot.obj = <PyObject*>entry[1]
+        self._last.obj = NULL
         self._index.erase(key)           # first: the dict may free the entry it replaces
         self._entries[ptr] = entry
         self._index[key] = slot
 
     def __delitem__(self, ptr) -> None:
+        self._last.obj = NULL
         self._index.erase(_address(ptr))
         del self._entries[ptr]
 
     def pop(self, ptr, default=_MISSING):
         """Remove and return the entry at ``ptr`` (``default``, or KeyError, when absent)."""
+        self._last.obj = NULL
         if type(ptr) is int and 0 <= ptr < (1 << 64):
             self._index.erase(<size_t>ptr)
         if default is _MISSING:
@@ -63,6 +72,7 @@ cdef class NativeCache:
         return self._entries.pop(ptr, default)
 
     def clear(self) -> None:
+        self._last.obj = NULL
         self._index.clear()
         self._entries.clear()
 
