@@ -363,3 +363,47 @@ def entry_pair_ns(size_t alloc_addr, size_t free_addr, Py_ssize_t nbytes, size_t
     if p == NULL:
         return -1.0
     return (t1 - t0) / <double>n
+
+
+# --- the floor under the Python hit pair -------------------------------------------------------
+@cython.final
+@cython.freelist(64)
+@cython.no_gc_clear
+cdef class FloorBuffer:
+    """The shape of gpumem.Buffer (the same decorators, C fields, object fields, weak-reference
+    slot and a __dealloc__ that finds nothing to do) with no pool behind it."""
+    cdef size_t _ptr
+    cdef readonly size_t nbytes
+    cdef readonly uint64_t id
+    cdef readonly object tag
+    cdef uint64_t _stream
+    cdef void* _block
+    cdef FloorManager _owner
+    cdef list _used_on
+    cdef bint _free_after_exports
+    cdef Py_ssize_t _exports
+    cdef object __weakref__
+
+    def __dealloc__(self):
+        if self._block == NULL or self._owner is None:
+            return
+
+
+cdef class FloorManager:
+    """``malloc(nbytes, *, stream, tag, fallback)`` / ``free(buf)`` with ManagerCore's calling
+    convention that build and drop a FloorBuffer and do nothing else: what the Python hit
+    pair would cost if the pool, its lock, its history and gpumem's checks were free."""
+    cdef size_t _next
+
+    def malloc(self, nbytes, *, stream=None, tag=None, fallback=True):
+        cdef FloorBuffer b = FloorBuffer.__new__(FloorBuffer)
+        b.nbytes = nbytes
+        b._ptr = self._next
+        b.tag = tag
+        b._owner = self
+        b._block = <void*>b
+        return b
+
+    def free(self, buffer) -> None:
+        if type(buffer) is FloorBuffer:
+            (<FloorBuffer>buffer)._block = NULL

@@ -43,6 +43,8 @@ from benchmarks import (KiB, MiB, GiB, MixedWorkload, device_budget,  # noqa: E4
 
 RESULTS: list[dict] = []
 NOTES: list[str] = []
+#: the Python hit pair's floor: the same calls building a Buffer-shaped object, no pool
+FLOOR_ROW = "floor: Cython, no pool"
 
 
 class Skip(Exception):
@@ -581,8 +583,11 @@ def _make_all(bench: str, peers: list[Peer]) -> dict:
     return insts
 
 
-def bench_hit_pairs(timer: Timer, peers: list[Peer], sizes=(4 * KiB, 1 * MiB)) -> None:
-    """alloc+free of one cached size, every peer (and the bare Python loop) interleaved."""
+def bench_hit_pairs(timer: Timer, peers: list[Peer], sizes=(4 * KiB, 1 * MiB),
+                    floor_manager=None) -> None:
+    """alloc+free of one cached size, every peer (and the bare Python loop) interleaved.
+    ``floor_manager``: _cbench.FloorManager, whose malloc/free build and drop a Buffer-shaped
+    Cython object with no pool behind it (the floor under gpumem's row)."""
     for n in sizes:
         bench = f"hit pair {fmt_size(n)}"
         insts = _make_all(bench, peers)
@@ -611,10 +616,15 @@ def bench_hit_pairs(timer: Timer, peers: list[Peer], sizes=(4 * KiB, 1 * MiB)) -
             for _ in range(k):
                 f2(f1(n))
         runs["python loop + 2 calls"] = floor
+        if floor_manager is not None:
+            def cython_floor(k, alloc=floor_manager.malloc, free=floor_manager.free, n=n):
+                for _ in range(k):
+                    free(alloc(n))
+            runs[FLOOR_ROW] = cython_floor
         try:
             for name, samples in timer.interleaved(runs).items():
                 note = "reference: loop cost in every row" if name == "python loop + 2 calls" \
-                    else ""
+                    else "reference: no pool, same calls" if name == FLOOR_ROW else ""
                 record(bench, name, samples, note=note)
         except Exception as exc:
             skipped(bench, "(some peer)", f"{type(exc).__name__}: {exc}")
@@ -830,7 +840,8 @@ def run_sim(timer: Timer, args) -> dict:
         skipped("(all)", track.name, str(exc))
     peers.append(GpumemPeer(dev, name="gpumem record_history()",
                             config=MemoryConfig(track_allocations=False), record=True))
-    bench_hit_pairs(timer, peers, sizes=(512, 4 * KiB, 1 * MiB, 8 * MiB))
+    bench_hit_pairs(timer, peers, sizes=(512, 4 * KiB, 1 * MiB, 8 * MiB),
+                    floor_manager=None if cb is None else cb.FloorManager())
     bench_mixed(timer, peers, live=args.live or 10_000)
     if not args.no_traces:
         bench_traces(timer, peers[:1], budget=None)
@@ -983,9 +994,14 @@ def summarize(backend: str, summary: dict) -> list[str]:
         for n in ("4 KiB", "1 MiB"):
             v = med(f"hit pair {n}", "gpumem")
             loop = med(f"hit pair {n}", "python loop + 2 calls")
+            floor = med(f"hit pair {n}", FLOOR_ROW)
             if v:
-                lines.append(f"Python-level hit pair {n}: {v:.0f} ns (loop + 2 trivial calls "
-                             f"alone: {loop:.0f} ns)")
+                lines.append(f"Python-level hit pair {n}: {v:.0f} ns (target <= 120 ns: "
+                             f"{'met' if v <= 120 else 'MISSED'}; loop + 2 trivial calls "
+                             f"alone: {loop:.0f} ns"
+                             + ("" if floor is None else
+                                f"; Cython malloc/free of a Buffer-shaped object, no pool: "
+                                f"{floor:.0f} ns") + ")")
     else:
         for n in ("4 KiB", "1 MiB"):
             g = med(f"hit pair {n}", "gpumem")

@@ -105,6 +105,37 @@ def test_index_protocol_size_is_accepted(busy):
     check(mm, live + [buf])
 
 
+class IntSubclass(int):
+    pass
+
+
+@pytest.mark.parametrize("n, error, match", [
+    (-1, InvalidInputError, "nbytes must be >= 0, got -1"),
+    (-(1 << 70), InvalidInputError, "nbytes must be >= 0"),      # overflows a C long long
+    (IntSubclass(-5), InvalidInputError, "nbytes must be >= 0, got -5"),
+    (True, TypeError, "nbytes must be an int, got bool"),
+    (2.0, TypeError, "nbytes must be an int, got float"),
+])
+def test_size_checks_around_the_positional_fast_path(busy, n, error, match):
+    """real (sim): malloc reads an exact int with C compares only (no Python int per call);
+    every value that path does not take still gets the specific error and no state change."""
+    mm, live = busy
+    with Unchanged(mm):
+        with pytest.raises(error, match=match):
+            mm.malloc(n)
+    check(mm, live)
+
+
+@pytest.mark.parametrize("n", [0, 1, 4096, IntSubclass(4096)])
+def test_sizes_on_and_beside_the_fast_path_allocate(busy, n):
+    """real (sim): exact ints and int subclasses give a buffer of exactly that many bytes."""
+    mm, live = busy
+    buf = mm.malloc(n)
+    assert buf.nbytes == n
+    check(mm, live + [buf])
+    buf.free()
+
+
 @pytest.mark.parametrize("n", [4 * GiB + 1, 8 * GiB, 1 << 62, 1 << 64, 1 << 200])
 def test_size_above_capacity_fails_at_once(busy, n):
     mm, live = busy

@@ -643,3 +643,32 @@ def test_threads_malloc_and_free_concurrently(manager):
     manager.empty_cache()
     assert dev.live_bytes == 0
     check(manager, [])
+
+
+def test_hot_path_methods_keep_their_signatures():
+    """real: malloc/free are plain method descriptors (no CyFunction dispatch on the hot path);
+    help() and inspect still show their parameters, keyword-only ones included."""
+    import inspect
+    from gpumem import Buffer, MemoryManager
+    sig = inspect.signature(MemoryManager.malloc)
+    params = sig.parameters
+    assert list(params)[1:] == ["nbytes", "stream", "tag", "fallback"]
+    assert params["stream"].kind is inspect.Parameter.KEYWORD_ONLY
+    assert params["fallback"].default is True
+    assert list(inspect.signature(MemoryManager.free).parameters)[1:] == ["buffer"]
+    assert list(inspect.signature(Buffer.free).parameters) == ["self"]
+    assert "Buffer of at least nbytes" in MemoryManager.malloc.__doc__
+
+
+def test_malloc_keywords_work_through_the_descriptor(manager):
+    """real (sim): keyword arguments and a bound method kept aside behave as before."""
+    import functools
+    malloc = functools.partial(manager.malloc, stream=0, tag="t", fallback=False)
+    buf = malloc(4096)
+    assert (buf.nbytes, buf.stream, buf.tag) == (4096, 0, "t")
+    with pytest.raises(TypeError):
+        manager.malloc(4096, 0)                 # stream is keyword-only
+    with pytest.raises(TypeError):
+        manager.malloc(nbytes=1, bogus=2)
+    manager.free(buf)
+    assert not buf.alive

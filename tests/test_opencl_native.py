@@ -182,6 +182,14 @@ def test_cache_is_bounded(env):
         assert [int(words(b)[0]) for b in bufs] == list(range(20))
         cached = set().union(*(s.cached for s in dev._segments.values()))
         assert cached == set(dev.native_cache)
+        # Buffer.native's C index holds exactly the cached entries, eviction included
+        assert dev.native_cache._index_size() == len(dev.native_cache)
+        for b in bufs:
+            entry = dev.native_cache.get(b.ptr)
+            hit = dev.native_cache._find(b.ptr, b.nbytes)
+            assert hit is (None if entry is None else entry[1])
+            if hit is not None:
+                assert b.native is hit
         del natives
         for b in bufs:
             b.free()

@@ -73,6 +73,22 @@ class LoopFloor:
             f2(f1(4096))
 
 
+class CythonFloor:
+    """compare.py's "floor: Cython, no pool" row: ``free(malloc(4096))`` on _cbench's
+    FloorManager, which builds and drops a Buffer-shaped Cython object through the same calling
+    convention with no pool, lock or history behind it; what is left of HitPair above it is
+    gpumem's own work. Skipped where _cbench cannot be built."""
+
+    def setup(self):
+        from . import load_cbench
+        self.floor = load_cbench().FloorManager()
+
+    def time_1000_pairs(self):
+        malloc, free = self.floor.malloc, self.floor.free
+        for _ in range(OPS_PER_CALL):
+            free(malloc(4096))
+
+
 class Mixed:
     """10,000 live buffers of log-uniform random sizes 1 KiB..4 MiB; each step frees a random
     one and allocates a new random size (1000 steps per call, after a 20,000-step warmup)."""

@@ -15,10 +15,10 @@ collector holding `_collect_lock`.
 cimport cython
 from libc.stdint cimport uint64_t
 from libc.stdlib cimport calloc, free
-from cpython.long cimport PyLong_AsLongLong
-from cpython.dict cimport PyDict_GetItem
+from cpython.long cimport PyLong_AsLongLong, PyLong_AsLongLongAndOverflow
 from cpython.ref cimport PyObject
 
+from gpumem._core.native_cache cimport NativeCache
 from gpumem._core.pool cimport (CachingPool, gm_pool, gm_block, gm_alloc_gil, gm_free_gil,
                                 GM_OK, GM_MISS, GM_UNKNOWN_STREAM, GM_BAD_BLOCK)
 
@@ -122,6 +122,9 @@ cdef class Buffer:
     def manager(self):
         return self._owner
 
+    @cython.binding(False)
+    @cython.embedsignature(True)
+    @cython.embedsignature.format("clinic")
     def free(self) -> None:
         """Return the block to its pool. Freeing twice raises DoubleFreeError."""
         self._owner._release(self)
@@ -199,17 +202,14 @@ cdef class Buffer:
         """The backend's own object for these bytes: the address for cuda/cpu/sim, a
         pyopencl sub-buffer for OpenCL (None for a zero-length buffer there), cached: the same
         object each time the pool hands out the same range. Do not release() it."""
-        # A device with a `native_cache` dict (OpenCL) maps ptr -> (nbytes, object, ...);
-        # a hit skips the Python call into device.resolve().
-        cdef dict cache = self._owner._native_cache
-        cdef PyObject* entry
-        cdef tuple hit
+        # A device with a NativeCache (OpenCL) is looked up in C by address and size: no
+        # Python object is built on a hit; a miss calls device.resolve(), which fills it.
+        cdef NativeCache cache = self._owner._native_cache
+        cdef PyObject* hit
         if cache is not None and self._block != NULL and not self._owner._closed:
-            entry = PyDict_GetItem(cache, self.ptr)       # borrowed; NULL when absent
-            if entry != NULL:
-                hit = <tuple><object>entry
-                if <size_t>hit[0] == self.nbytes:
-                    return hit[1]
+            hit = cache.find(self._ptr, self.nbytes)
+            if hit != NULL:
+                return <object>hit
         handle, offset = self.segment_location()
         return self._owner.device.resolve(handle, offset, self.nbytes)
 
@@ -366,7 +366,7 @@ cdef class ManagerCore:
     cdef bint _collecting                # set while this manager's collector runs
     cdef set _dead_streams               # destroyed streams with heaps still in the pool
     cdef int _ndead                      # len(_dead_streams): one C test on the hot path
-    cdef dict _native_cache              # the device's `native_cache` (Buffer.native), or None
+    cdef NativeCache _native_cache       # the device's `native_cache` (Buffer.native), or None
     # Tracking and history read the pool's live blocks and C history rings; the only
     # per-buffer state they need on the hot path is kept here, written under the GIL:
     cdef public dict _tags               # id -> tag of tagged buffers (None: not kept)
@@ -426,7 +426,7 @@ cdef class ManagerCore:
         self.device = device
         self.device_string = device_string
         cache = getattr(device, "native_cache", None)
-        self._native_cache = cache if type(cache) is dict else None
+        self._native_cache = cache if isinstance(cache, NativeCache) else None
         self._max_request = <size_t>-1
         self._cache_limit = <size_t>-1
         self._pending = []
@@ -448,16 +448,22 @@ cdef class ManagerCore:
         self."""
         return <size_t>&self._closed, <size_t>&self._via_python
 
+    # plain method descriptors (not CyFunctions): mm.malloc(n) and buf.free() are direct calls;
+    # the signature stays visible to inspect through the clinic-format docstring
+    @cython.binding(False)
+    @cython.embedsignature(True)
+    @cython.embedsignature.format("clinic")
     def malloc(self, nbytes, *, stream=None, tag=None, fallback=True):
         """A Buffer of at least nbytes on this manager's device (stream: an int handle or any
         framework's stream object, see `_stream_handle`), or a FallbackBuffer in host memory when the device is exhausted and CPU
         fallback is on (the config's ``cpu_fallback_enabled``, and `fallback` for this call).
         Raises OutOfMemoryError when neither can serve."""
-        cdef long long n
+        cdef long long n = -1
+        cdef int overflow = 0
         cdef uint64_t s
-        if type(nbytes) is int and 0 <= nbytes < _SIZE_TOO_BIG:
-            n = nbytes
-        else:
+        if type(nbytes) is int:          # C compares only: no Python int is built per call
+            n = PyLong_AsLongLongAndOverflow(nbytes, &overflow)
+        if overflow or not 0 <= n < _SIZE_TOO_BIG:
             n = _size_arg(nbytes)
         if stream is None:
             s = 0
@@ -488,6 +494,9 @@ cdef class ManagerCore:
                 self._malloc_slow(n, s, tag, False)
         return self._wrap(b, <size_t>n, s, tag)
 
+    @cython.binding(False)
+    @cython.embedsignature(True)
+    @cython.embedsignature.format("clinic")
     def free(self, buffer) -> None:
         """Return a buffer to the pool (DoubleFreeError, ForeignBufferError on misuse)."""
         if type(buffer) is Buffer:

@@ -9,15 +9,17 @@ integer range per device, never reused, so the pool's offset arithmetic works un
 resolves to a sub-buffer of its segment (``Buffer.get_sub_region``); its offset must be a
 multiple of the device's ``CL_DEVICE_MEM_BASE_ADDR_ALIGN`` (given in bits by OpenCL).
 
-Sub-buffers are cached: ``native_cache`` maps a block's synthetic address to
-``(nbytes, sub-buffer, segment handle)``. Addresses are never reused, so an entry names one
-exact byte range of one live segment and stays right however the pool splits, merges or reuses
-the block around it; a request of another size at the same address replaces the entry.
-``Buffer.native`` reads this dict directly (no lock: single dict reads are atomic) and calls
-:meth:`OpenCLDevice.resolve` only on a miss. It holds at most ``native_cache_limit`` entries
-(oldest dropped first); ``free_segment`` and ``close`` drop a segment's entries before the
-segment's buffer is released. Entries are only dropped, never ``release()``-d, so a sub-buffer
-a caller still holds stays valid (OpenCL keeps its parent alive meanwhile).
+Sub-buffers are cached: ``native_cache`` (a :class:`gpumem._core.native_cache.NativeCache`, a
+mapping with a C index) maps a block's synthetic address to ``(nbytes, sub-buffer, segment
+handle)``. Addresses are never reused, so an entry names one exact byte range of one live
+segment and stays right however the pool splits, merges or reuses the block around it; a
+request of another size at the same address replaces the entry. ``Buffer.native`` looks it up
+in C by address and size (no lock and no Python object: readers hold the GIL, which no writer
+gives up midway) and calls :meth:`OpenCLDevice.resolve` only on a miss. It holds at most
+``native_cache_limit`` entries (oldest dropped first); ``free_segment`` and ``close`` drop a
+segment's entries before the segment's buffer is released. Entries are only dropped, never
+``release()``-d, so a sub-buffer a caller still holds stays valid (OpenCL keeps its parent
+alive meanwhile).
 
 Thread safety: each ``OpenCLDevice`` has one lock, ``_lock``, that owns its segments, queues,
 events and every write to ``native_cache``. ``_held`` (bytes held per device index, for the
@@ -38,6 +40,7 @@ import itertools
 import threading
 from typing import Any
 
+from gpumem._core.native_cache import NativeCache
 from gpumem.backends.base import Backend, Device, DeviceProperties, check_block_range
 from gpumem.backends.host import byte_view
 from gpumem.errors import (BackendUnavailableError, DriverError, DriverOutOfMemory,
@@ -226,7 +229,7 @@ class OpenCLDevice(Device):
             self._queues[0] = queue if queue is not None else cl.CommandQueue(context, device)
         #: synthetic address -> (nbytes, sub-buffer, segment handle); see the module docstring.
         #: Only ever mutated in place: ManagerCore keeps a reference to this very dict.
-        self.native_cache: dict[int, tuple[int, Any, int]] = {}
+        self.native_cache = NativeCache()
         self.native_cache_limit = NATIVE_CACHE_LIMIT
         self._segments: dict[int, _Segment] = {}
         self._handles = itertools.count(1)
