@@ -206,7 +206,8 @@ class MissPath:
         """Release wholly free segments, largest first (only those of one pool if `small` is
         given); the bytes released."""
         with self._slow:
-            if self.pool.reserved_bytes == self.pool.in_use_bytes:
+            if (self.pool.reserved_bytes == self.pool.in_use_bytes
+                    and (self._expandable is None or not self._expandable.holds_empty())):
                 return 0
             kwargs = {} if max_bytes is None else {"max_bytes": max_bytes}
             if small is not None:
