@@ -443,16 +443,19 @@ cdef class CachingPool:
         return 0
 
     def carve_free_pages(self, uint64_t handle, size_t page, size_t max_bytes=SIZE_MAX, *,
-                         stream=None, keep=(0, 0), size_t min_offset=0) -> list:
+                         stream=None, keep=(0, 0), size_t min_offset=0,
+                         int ratio=-1) -> list:
         """Mark up to ``max_bytes`` of whole pages inside free blocks of segment ``handle``
         unmapped (only blocks cached for ``stream`` if given, else any stream's: the caller
         synchronized the device); not from blocks overlapping ``keep`` = (lo, hi), nor below
-        ``min_offset``. Returns ``[(offset, size), ...]``: the caller unmaps them (or fills them
-        back with :meth:`fill_unmapped`)."""
+        ``min_offset``; ``ratio`` (-1: any block) limits which blocks give pages (see
+        pool_pages.carve_free_pages). Returns
+        ``[(offset, size), ...]``: the caller unmaps them (or fills them back with
+        :meth:`fill_unmapped`)."""
         cdef size_t lo = keep[0], hi = keep[1]
         return pool_pages.carve_free_pages(self._p, handle, page, max_bytes, stream is None,
                                            0 if stream is None else <uint64_t>stream, lo, hi,
-                                           min_offset)
+                                           min_offset, ratio)
 
     def fill_unmapped(self, uint64_t handle, size_t offset, size_t size,
                       uint64_t stream) -> bool:

@@ -119,18 +119,22 @@ cdef void _drop_unmapped_tail(gm_pool* p, gm_segment* seg) noexcept nogil:
 
 cdef list carve_free_pages(gm_pool* p, uint64_t handle, size_t page, size_t max_bytes,
                            int any_stream, uint64_t stream, size_t keep_lo, size_t keep_hi,
-                           size_t min_offset):
+                           size_t min_offset, int ratio):
     """Turn up to ``max_bytes`` of whole pages inside free blocks of segment ``handle`` into
     unmapped blocks: blocks of any heap (any_stream, after the device was synchronized) or of
     ``stream``'s large heap only; not from a block that overlaps [keep_lo, keep_hi) (the
-    neighbours a planned fill needs) nor below ``min_offset``. A block gives its highest
-    pages first. Returns ``[(offset, size), ...]`` of the ranges now unmapped, which the
+    neighbours a planned fill needs) nor below ``min_offset``. A block gives its pages from
+    its page-aligned end (its highest pages when both or neither end is aligned). ``ratio``:
+    -1 every block gives its pages (a trim); 0 only blocks with an aligned end (taking
+    their pages splits no free block); k > 0 those too, and a block whose whole pages are
+    at least k times the free bytes that would stay behind stranded around them. Returns ``[(offset, size), ...]`` of the ranges now unmapped, which the
     caller unmaps at the driver (or fills back)."""
     cdef gm_segment* seg
     cdef gm_block* b
     cdef gm_block* nxt
     cdef size_t* out = NULL
-    cdef size_t n = 0, nblocks = 0, taken = 0, lo, top, take, i
+    cdef size_t n = 0, nblocks = 0, taken = 0, lo, top, take, start, i
+    cdef bint low_end
     cdef int k, want = -1
     _lock_gil(p)
     seg = _find_segment(p, handle)
@@ -150,15 +154,22 @@ cdef list carve_free_pages(gm_pool* p, uint64_t handle, size_t page, size_t max_
                     and not (b.offset < keep_hi and b.offset + b.size > keep_lo)):
                 lo = _round_up(b.offset if b.offset > min_offset else min_offset, page)
                 top = (b.offset + b.size) // page * page
-                if top > lo:
+                low_end = not (b.offset + b.size) % page == 0 and lo == b.offset
+                whole = top - lo if top > lo else 0
+                # an aligned end gives pages without splitting the block; otherwise the pages
+                # taken must be worth `ratio` times the free bytes they leave stranded
+                if whole and (ratio < 0 or top == b.offset + b.size or low_end
+                              or (ratio > 0 and whole >= <size_t>ratio * (b.size - whole))):
                     take = top - lo
                     if take > (max_bytes - taken) // page * page:
                         take = (max_bytes - taken) // page * page
                     if take:
-                        b = _carve_block(p, b, top - take, take)
+                        # from an aligned end: the free rest stays one piece
+                        start = lo if low_end else top - take
+                        b = _carve_block(p, b, start, take)
                         if b == NULL:
                             break
-                        out[2 * n] = top - take
+                        out[2 * n] = start
                         out[2 * n + 1] = take
                         n += 1
                         taken += take
