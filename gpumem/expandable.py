@@ -182,6 +182,11 @@ class ExpandableSegments:
         count = size // self.page
         sources = self._take_pages(seg, count, stream, keep)
         new = (count - len(sources)) * self.page
+        if (new and self._mm.config.release_before_grow
+                and pool.reserved_bytes + new > pool.peak_reserved_bytes):
+            # past the high-water mark: idle small-pool segments go back to the device first
+            # (the large pool cannot use them); release_before_grow's rule across the pools
+            self._mm._release_cached(new, reason="release before expandable growth", small=True)
         if new and not self._mm._segment_allowed(new, pool.reserved_bytes, free):
             self._refill(sources, stream)
             return False

@@ -134,6 +134,11 @@ class MissPath:
             # and the small pool would only have to grow them back on its next busy phase.
             self._release_cached(preferred, reason="release before grow",
                                  small=False if small is False else None)
+        if (self.config.release_before_grow and past_mark and small
+                and self._expandable is not None and self._expandable.trimmable() >= preferred):
+            # the small pool cannot use the large pool's free pages, but they can go back
+            # to the device first: the high-water mark stays where it is
+            self._expandable.trim(preferred)
         reserved = self.pool.reserved_bytes
         free, _ = self.device.mem_get_info()
         for size in dict.fromkeys(sizes):
