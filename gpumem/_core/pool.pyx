@@ -40,16 +40,19 @@ files, compiled into each module that uses it, so the hot path calls nothing thr
 module):
 
 - pool.pyx (this one): the hot path (carving and accounting, alloc/free under the lock,
-  gm_alloc/gm_free and their _gil variants), CachingPool, the expandable-segment methods;
+  gm_alloc/gm_free and their _gil variants), CachingPool (its expandable-segment methods call
+  pool_pages);
 - _pool_inline.pxd: locks, size classes, heaps and best fit, block structs, stream slots,
   coalescing, history rings, segment lookup;
 - _pool_front.pxd: the per-thread front caches (cimported by this module only);
 - pool_segments.pyx: adopting, detaching, releasing and restoring segments, flushing the front
   caches, re-filing idle streams' blocks, freeing the pool's records;
 - pool_inspect.pyx: counters, the largest free block, the segment table, check_invariants;
-- pool_history.pyx: sizing the history rings and exporting them to numpy.
+- pool_history.pyx: sizing the history rings and exporting them to numpy;
+- pool_pages.pyx: the unmapped block state of expandable segments (holes): carving free pages
+  into holes, filling holes, planning where a miss maps pages.
 
-CachingPool's cold methods call the cdef functions of the last three through their capsule
+CachingPool's cold methods call the cdef functions of the last four through their capsule
 tables (one indirect call, on paths that go to the driver or build Python objects anyway).
 """
 cimport cython
