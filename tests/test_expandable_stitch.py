@@ -264,3 +264,40 @@ def test_snapshot_text_plot_and_torch_export_show_holes(tmp_path):
     for x in (a, c):
         x.free()
     mm.close()
+
+
+def test_random_work_keeps_every_invariant_and_every_byte(vm):
+    """A seeded random walk of large and small mallocs, frees, empty_cache and shrink, on
+    sim and on the fake driver: after every step the invariant checker passes (physical =
+    mapped, holes whole pages, counters exact) and every live buffer still holds the bytes
+    written into it, while holes and stitching both happen (the walk is long enough)."""
+    import random
+    mm = vm.mm
+    rng = random.Random(7)
+    live: list[tuple[Any, bytes]] = []
+    holes_seen = False
+    for step in range(300):
+        r = rng.random()
+        if r < 0.5 or not live:
+            n = rng.choice([rng.randrange(1, 1 << 20), rng.randrange(1 << 20, 24 * MiB)])
+            buf = mm.malloc(n)
+            data = bytes([step % 251]) * min(n, 4096)
+            buf.copy_from_host(data)
+            live.append((buf, data))
+        elif r < 0.9:
+            buf, data = live.pop(rng.randrange(len(live)))
+            assert bytes(buf.copy_to_host()[:len(data)]) == data
+            buf.free()
+        elif r < 0.95:
+            mm.empty_cache()
+        else:
+            mm.shrink(rng.randrange(0, 64 * MiB))
+        holes_seen |= any(b["state"] == "unmapped" for s in mm.pool.segments()
+                          for b in s["blocks"])
+        check(mm, [b for b, _ in live])
+    _intact(live)
+    assert holes_seen and mm._expandable.stitched_bytes > 0
+    for buf, _ in live:
+        buf.free()
+    assert mm.empty_cache() >= 0 and mm.pool.reserved_bytes == 0
+    check(mm, [])
