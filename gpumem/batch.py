@@ -179,8 +179,7 @@ def _allocate(manager: "MemoryManager", sizes: Iterable[int], stream: Any, tag: 
         manager._ensure_stream(s)
         before = set(manager.pool.live_segment_handles())
         expandable = manager._expandable
-        mapped_before = ({h: m for h, (m, _) in expandable.layout().items()}
-                         if expandable is not None else None)
+        mapped_before = expandable.extents() if expandable is not None else None
         try:
             _fill(manager, nbytes, s, tag, out, device_only)
         except BaseException:
@@ -285,8 +284,8 @@ def _carve_group(manager: "MemoryManager", nbytes: list[int], group: list[int], 
 def _undo(manager: "MemoryManager", out: list[Any], before: set[int],
           mapped_before: dict[int, int] | None = None) -> None:
     """Free the buffers of a failed call and return the segments it added (wholly free again)
-    and the pages it mapped at the end of expandable segments (``mapped_before``: their sizes
-    before the call)."""
+    and the free pages past the extents expandable segments had before the call
+    (``mapped_before``)."""
     for buf in out:
         if buf is not None and buf.alive:
             try:

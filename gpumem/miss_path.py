@@ -134,6 +134,11 @@ class MissPath:
             # and the small pool would only have to grow them back on its next busy phase.
             self._release_cached(preferred, reason="release before grow",
                                  small=False if small is False else None)
+        if (self.config.release_before_grow and past_mark and small
+                and self._expandable is not None and self._expandable.trimmable() >= preferred):
+            # the small pool cannot use the large pool's free pages, but they can go back
+            # to the device first: the high-water mark stays where it is
+            self._expandable.trim(preferred)
         reserved = self.pool.reserved_bytes
         free, _ = self.device.mem_get_info()
         for size in dict.fromkeys(sizes):
@@ -206,7 +211,8 @@ class MissPath:
         """Release wholly free segments, largest first (only those of one pool if `small` is
         given); the bytes released."""
         with self._slow:
-            if self.pool.reserved_bytes == self.pool.in_use_bytes:
+            if (self.pool.reserved_bytes == self.pool.in_use_bytes
+                    and (self._expandable is None or not self._expandable.holds_empty())):
                 return 0
             kwargs = {} if max_bytes is None else {"max_bytes": max_bytes}
             if small is not None:

@@ -176,11 +176,13 @@ def plot_segments(snapshot: dict, path: str | os.PathLike[str], *, title: str | 
         y = n - 1 - row
         size = seg["size"] or 1
         div = size if normalize else scale
-        free_x, alloc_x, alloc_c, waste_x = [], [], [], []
+        free_x, alloc_x, alloc_c, waste_x, hole_x = [], [], [], [], []
         for b in seg["blocks"]:
             x0, w = b["offset"] / div, b["size"] / div
             if b["state"] == "free":
                 free_x.append((x0, w))
+            elif b["state"] == "unmapped":          # a hole inside an expandable segment
+                hole_x.append((x0, w))
             else:
                 req = min(b.get("requested", b["size"]), b["size"])
                 # a tiny block stays visible: at least 0.25 % of the axis
@@ -193,6 +195,9 @@ def plot_segments(snapshot: dict, path: str | os.PathLike[str], *, title: str | 
         if alloc_x:
             ax.broken_barh(alloc_x, (y - 0.38, 0.76), facecolors=alloc_c, edgecolor="white",
                            linewidth=0.3)
+        if hole_x:
+            ax.broken_barh(hole_x, (y - 0.38, 0.76), facecolors="white", edgecolor="0.6",
+                           hatch="..", linewidth=0.0)
         if waste_x:
             ax.broken_barh(waste_x, (y - 0.38, 0.76), facecolors="white", edgecolor="#b04040",
                            hatch="////", linewidth=0.0)
@@ -246,7 +251,7 @@ def plot_segments(snapshot: dict, path: str | os.PathLike[str], *, title: str | 
     handles.append(Patch(facecolor=_FREE_COLOR, edgecolor="0.6", label="free (cached)"))
     if any(sg.get("unmapped_bytes") for sg in segs):
         handles.append(Patch(facecolor="none", edgecolor="0.6", hatch="..",
-                             label="unmapped (reserved address space, not to scale)"))
+                             label="unmapped (holes to scale; reserved space after: not)"))
     fig.legend(handles=handles, loc="outside lower center", ncol=min(4, len(handles)),
                fontsize=8, frameon=False)
     ax.grid(True, axis="x", alpha=0.3)

@@ -13,11 +13,14 @@ Layout (``version`` 1)::
      "config": {...every MemoryConfig field...},
      "segments": [{"handle", "base", "size", "pool": "small"|"large", "stream",
                    "mapped_bytes", "unmapped_bytes",
-                   "blocks": [{"offset", "size", "requested", "state": "allocated"|"free",
+                   "blocks": [{"offset", "size", "requested",
+                               "state": "allocated"|"free"|"unmapped",
                                "stream", "id", "tag", "pending_free"}]}]}
 
-``mapped_bytes`` is the segment's physical memory (its ``size``); ``unmapped_bytes`` the reserved
-address space after it, where an expandable segment grows (0 for a plain segment).
+``size`` is the address span of the segment's blocks. ``mapped_bytes`` is its physical memory:
+``size`` less its ``unmapped`` blocks (holes of an expandable segment, whose pages went back to
+the device or moved elsewhere); ``unmapped_bytes`` the rest of its reserved address range, holes
+and the space after it where it grows (0 for a plain segment, which has no unmapped block).
 
 Blocks tile their segment in address order. ``pending_free`` marks an allocated block whose
 buffer was freed but which waits for other streams (``Buffer.record_stream``). ``tag`` comes from the allocation tracker when
@@ -182,9 +185,9 @@ def _validate(data: Any, where: str) -> None:
             miss = [k for k in _BLOCK_KEYS if k not in b]
             if miss:
                 raise bad(f"segment #{i} block #{j} lacks {miss}")
-            if b["state"] not in ("allocated", "free"):
+            if b["state"] not in ("allocated", "free", "unmapped"):
                 raise bad(f"segment #{i} block #{j} has state {b['state']!r}, expected "
-                          f"'allocated' or 'free'")
+                          f"'allocated', 'free' or 'unmapped'")
             if not all(isinstance(b[k], int) and b[k] >= 0 for k in ("offset", "size",
                                                                     "requested")):
                 raise bad(f"segment #{i} block #{j}: offset, size and requested must be "
@@ -195,15 +198,19 @@ def _validate(data: Any, where: str) -> None:
 
 
 def summarize(snapshot: dict) -> dict[str, Any]:
-    """Totals of a snapshot: segments, bytes by state, largest free block, fragmentation,
-    and ``{tag: bytes}`` of the allocated blocks."""
-    reserved = allocated = requested = free = largest = 0
+    """Totals of a snapshot: segments, bytes by state (``reserved_bytes`` physical: without
+    the ``hole_bytes`` of unmapped blocks), largest free block, fragmentation, and
+    ``{tag: bytes}`` of the allocated blocks."""
+    reserved = allocated = requested = free = largest = unmapped = 0
     n_alloc = n_free = 0
     by_tag: dict[str, int] = {}
     for seg in snapshot["segments"]:
         reserved += seg["size"]
         for b in seg["blocks"]:
-            if b["state"] == "allocated":
+            if b["state"] == "unmapped":         # a hole: no physical memory
+                reserved -= b["size"]
+                unmapped += b["size"]
+            elif b["state"] == "allocated":
                 allocated += b["size"]
                 requested += b["requested"]
                 n_alloc += 1
@@ -216,7 +223,8 @@ def summarize(snapshot: dict) -> dict[str, Any]:
     return {"segments": len(snapshot["segments"]), "reserved_bytes": reserved,
             "allocated_bytes": allocated, "requested_bytes": requested, "free_bytes": free,
             "allocated_blocks": n_alloc, "free_blocks": n_free, "largest_free_block": largest,
-            "fragmentation": (1 - largest / free) if free else 0.0, "bytes_by_tag": by_tag}
+            "fragmentation": (1 - largest / free) if free else 0.0, "bytes_by_tag": by_tag,
+            "hole_bytes": unmapped}
 
 
 def format_snapshot(snapshot: dict, *, max_segments: int = 30, max_blocks: int = 8) -> str:
@@ -249,6 +257,8 @@ def format_snapshot(snapshot: dict, *, max_segments: int = 30, max_blocks: int =
             if b["state"] == "allocated":
                 tag = "" if b.get("tag") is None else f" {b['tag']}"
                 parts.append(f"[{fb(b['size'])}{tag}]")
+            elif b["state"] == "unmapped":
+                parts.append(f"<{fb(b['size'])} unmapped>")
             else:
                 parts.append(f"({fb(b['size'])} free)")
         more = len(seg["blocks"]) - len(shown)

@@ -221,6 +221,8 @@ def to_memory_viz(source: Any, history: Any = None) -> dict:
     for seg in snap["segments"]:
         blocks = []
         for b in seg["blocks"]:
+            if b["state"] == "unmapped":           # no memory behind it: torch lists none
+                continue
             allocated = b["state"] == "allocated"
             # "active_pending_free" is what libtorch_python writes (torch's docstring says
             # "active_awaiting_free"; checked in the 2.14.1 binary)

@@ -11,7 +11,8 @@ checks from Python what a user can see:
   and each device buffer is a live block of the pool at its own address and size;
 - the device agrees with the pool: on sim the driver's live segments are exactly the pool's
   (handles, bases, sizes, ``live_bytes == reserved``); expandable segments are exactly their
-  mapped pages (pool size == mapped bytes, every page handle mapped, one reservation each);
+  mapped pages (the pages of every block that is not unmapped, holes whole pages, physical
+  bytes = mapped bytes, every page handle mapped, one reservation each);
   on cpu ``bytes_held`` equals reserved; on
   OpenCL every pool segment is a live segment of the device.
 
@@ -140,10 +141,23 @@ def _check_device(manager: Any, segs: list[dict], reserved: int) -> None:
     expandable = manager._expandable.layout() if manager._expandable is not None else {}
     for s in segs:
         if s["handle"] in expandable:
-            # an expandable segment is its mapped prefix: physical bytes = mapped bytes
+            # physical bytes = mapped bytes: the pages the manager mapped are exactly the pages
+            # of the segment's blocks that are not unmapped; holes are whole pages
             mapped, reservation = expandable[s["handle"]]
-            assert s["size"] == mapped <= reservation, (
-                f"expandable segment {s['handle']:#x}: pool size {s['size']}, mapped {mapped}, "
+            page = manager._expandable.page
+            want = set()
+            for b in s["blocks"]:
+                if b["state"] == "unmapped":
+                    assert b["offset"] % page == 0 and b["size"] % page == 0, (
+                        f"expandable segment {s['handle']:#x}: hole {b} is not whole pages")
+                else:
+                    want.update(range(b["offset"] // page * page, b["offset"] + b["size"], page))
+            have = manager._expandable.pages(s["handle"])
+            assert have == sorted(want), (
+                f"expandable segment {s['handle']:#x}: pages mapped at {have[:8]}..., blocks "
+                f"need {sorted(want)[:8]}...")
+            assert s["size"] <= reservation and mapped == len(have) * page, (
+                f"expandable segment {s['handle']:#x}: span {s['size']}, mapped {mapped}, "
                 f"reserved {reservation}")
     assert set(expandable) <= {s["handle"] for s in segs}, "an expandable segment left the pool"
     if backend == "sim":
@@ -196,7 +210,9 @@ def check(manager: Any, live: Iterable[Any] | None = None) -> None:
         for b in s["blocks"]:
             assert b["offset"] == end, f"segment {s['handle']:#x}: blocks do not tile"
             end = b["offset"] + b["size"]
-            if b["state"] == "allocated":
+            if b["state"] == "unmapped":        # a hole of an expandable segment: not reserved
+                reserved -= b["size"]
+            elif b["state"] == "allocated":
                 nlive += 1
                 in_use += b["size"]
                 requested += b["requested"]

@@ -40,16 +40,19 @@ files, compiled into each module that uses it, so the hot path calls nothing thr
 module):
 
 - pool.pyx (this one): the hot path (carving and accounting, alloc/free under the lock,
-  gm_alloc/gm_free and their _gil variants), CachingPool, the expandable-segment methods;
+  gm_alloc/gm_free and their _gil variants), CachingPool (its expandable-segment methods call
+  pool_pages);
 - _pool_inline.pxd: locks, size classes, heaps and best fit, block structs, stream slots,
   coalescing, history rings, segment lookup;
 - _pool_front.pxd: the per-thread front caches (cimported by this module only);
 - pool_segments.pyx: adopting, detaching, releasing and restoring segments, flushing the front
   caches, re-filing idle streams' blocks, freeing the pool's records;
 - pool_inspect.pyx: counters, the largest free block, the segment table, check_invariants;
-- pool_history.pyx: sizing the history rings and exporting them to numpy.
+- pool_history.pyx: sizing the history rings and exporting them to numpy;
+- pool_pages.pyx: the unmapped block state of expandable segments (holes): carving free pages
+  into holes, filling holes, planning where a miss maps pages.
 
-CachingPool's cold methods call the cdef functions of the last three through their capsule
+CachingPool's cold methods call the cdef functions of the last four through their capsule
 tables (one indirect call, on paths that go to the driver or build Python objects anyway).
 """
 cimport cython
@@ -64,7 +67,7 @@ from gpumem._core._pool_inline cimport (
     _take_fit, _new_block, _drop_block, _slot, _register_stream, _coalesce_insert,
     _round_up, _round_size, _find_segment, _last_block, _lock_all_gil, _unlock_all)
 from gpumem._core._pool_front cimport _my_shard, _front_take, _front_put, _top_up_serials
-from gpumem._core cimport pool_history, pool_inspect, pool_segments
+from gpumem._core cimport pool_history, pool_inspect, pool_pages, pool_segments
 
 
 # ---------------------------------------------------------------------------------------------
@@ -378,30 +381,12 @@ cdef class CachingPool:
             raise MemoryError("cannot allocate a block record")
         return 0
 
-    # --- expandable segments (virtual memory: the segment's end moves) ----------------------
-    # The manager (gpumem/expandable.py) maps pages at a segment's end, then grows it here; or
-    # shrinks a free tail here, then unmaps the pages. The pool only sees `size` change. The
-    # segment's blocks may sit in other streams' heaps (reclaim_idle moves them), so a free
-    # block at offset 0 need not be the segment's last: whole_free_bytes follows each change.
-    # Callers hold the GIL: _lock_gil.
-    def tail_free_bytes(self, uint64_t handle, uint64_t stream) -> int:
-        """Size of the free block at the end of segment `handle` when it is cached for
-        `stream` (growing the segment extends it), else 0."""
-        cdef gm_pool* p = self._p
-        cdef gm_segment* seg
-        cdef gm_block* last
-        cdef size_t out = 0
-        cdef int k
-        _lock_gil(p)
-        seg = _find_segment(p, handle)
-        k = _slot(p, stream)
-        if seg != NULL and k >= 0:
-            last = _last_block(seg)
-            if last.heap_index == 2 * k + (0 if seg.is_small else 1):
-                out = last.size
-        _unlock(p)
-        return out
-
+    # --- expandable segments (virtual memory: pages mapped and unmapped) ----------------------
+    # The manager (gpumem/expandable.py) maps pages, then tells the pool (grow_segment_and_alloc,
+    # fill_unmapped); or has the pool mark free pages unmapped (carve_free_pages), then unmaps
+    # them. The unmapped state itself is in pool_pages.pyx. A segment's blocks may sit in other
+    # streams' heaps (reclaim_idle moves them), so a free block at offset 0 need not be the
+    # segment's last: whole_free_bytes follows each change. Callers hold the GIL: _lock_gil.
     cdef int grow_segment_and_alloc(self, uint64_t handle, size_t extra, size_t nbytes,
                                     uint64_t stream, gm_block** out) except -1:
         """Segment `handle` gains `extra` bytes at its end (already mapped by the caller; 0
@@ -460,60 +445,52 @@ cdef class CachingPool:
         _unlock(p)
         return 0
 
-    def free_tail_offset(self, uint64_t handle) -> int:
-        """Offset where segment `handle`'s free tail begins (its size when the last block is
-        live): the bytes from there on could be given back."""
-        cdef gm_pool* p = self._p
-        cdef gm_segment* seg
-        cdef gm_block* last
-        cdef size_t out = 0
-        _lock_gil(p)
-        seg = _find_segment(p, handle)
-        if seg != NULL:
-            last = _last_block(seg)
-            out = last.offset if last.heap_index >= 0 else seg.size
-        _unlock(p)
-        if seg == NULL:
-            raise KeyError(handle)
-        return out
+    def carve_free_pages(self, uint64_t handle, size_t page, size_t max_bytes=SIZE_MAX, *,
+                         stream=None, keep=(0, 0), size_t min_offset=0,
+                         int ratio=-1) -> list:
+        """Mark up to ``max_bytes`` of whole pages inside free blocks of segment ``handle``
+        unmapped (only blocks cached for ``stream`` if given, else any stream's: the caller
+        synchronized the device); not from blocks overlapping ``keep`` = (lo, hi), nor below
+        ``min_offset``; ``ratio`` (-1: any block) limits which blocks give pages (see
+        pool_pages.carve_free_pages). Returns
+        ``[(offset, size), ...]``: the caller unmaps them (or fills them back with
+        :meth:`fill_unmapped`)."""
+        cdef size_t lo = keep[0], hi = keep[1]
+        return pool_pages.carve_free_pages(self._p, handle, page, max_bytes, stream is None,
+                                           0 if stream is None else <uint64_t>stream, lo, hi,
+                                           min_offset, ratio)
 
-    def trim_segment_tail(self, uint64_t handle, size_t new_size) -> int:
-        """Shrink segment `handle` to `new_size` bytes when everything past it is one free
-        block (checked under the lock: a hit may have taken the tail meanwhile) and at least
-        one byte stays (a wholly free segment is released whole instead). Returns the
-        segment's size afterwards; the caller unmaps what lies past it."""
+    def fill_unmapped(self, uint64_t handle, size_t offset, size_t size,
+                      uint64_t stream) -> bool:
+        """[offset, offset + size) of segment ``handle``, unmapped (or just past its end) until
+        the caller mapped it, becomes a free block cached for ``stream``, merged with its free
+        neighbours. False when nothing changed (not an unmapped range, unknown stream)."""
+        return pool_pages.fill_unmapped(self._p, handle, offset, size, stream) == 0
+
+    def plan_fill(self, uint64_t handle, uint64_t stream, size_t nbytes, size_t page,
+                  size_t reservation) -> tuple | None:
+        """``(offset, bytes to map, keep_lo, keep_hi, at_end)``: where mapping the fewest pages
+        into segment ``handle`` gives ``stream`` a block for ``nbytes`` (a hole between free
+        neighbours, or the end, the span staying within ``reservation``); None if nowhere."""
+        return pool_pages.plan_fill(self._p, handle, stream, nbytes, page, reservation)
+
+    def detach_if_unused(self, uint64_t handle) -> bool:
+        """Detach segment ``handle`` when it holds no live block (only free and unmapped ones);
+        the caller returns it to the driver. Whether it did."""
         cdef gm_pool* p = self._p
         cdef gm_segment* seg
-        cdef gm_block* last
-        cdef size_t size = 0
-        cdef int hi
-        if new_size % p.cfg.granularity:
-            raise ValueError(f"{new_size} is not a multiple of the granularity")
+        cdef bint done = False
         _lock_gil(p)
         seg = _find_segment(p, handle)
-        if seg != NULL:
-            size = seg.size
-            last = _last_block(seg)
-            if (last.heap_index >= 0 and 0 < new_size < seg.size and last.offset <= new_size
-                    and last.offset > 0):
-                hi = last.heap_index
-                _heap_remove(p.heaps[hi], last)
-                if new_size == last.offset:
-                    last.prev.next = NULL
-                    if last.prev.offset == 0 and last.prev.heap_index >= 0:
-                        # one free block left (of another stream's heap): wholly free now
-                        gm_add(p.stats.whole_free_bytes, new_size)
-                    _drop_block(p, last)
-                else:
-                    last.size = new_size - last.offset
-                    _heap_insert(p.heaps[hi], last, hi)
-                gm_sub(p.stats.reserved_bytes, seg.size - new_size)
-                seg.size = new_size
-                size = new_size
+        if seg != NULL and seg.live_blocks == 0:
+            pool_segments.detach_segment(p, seg, NULL)
+            done = True
         _unlock(p)
-        if seg == NULL:
-            raise KeyError(handle)
-        return size
+        return done
+
+    def free_page_bytes(self, uint64_t handle, size_t page) -> int:
+        """Bytes of whole pages inside segment ``handle``'s free blocks (a trim's worth)."""
+        return pool_pages.free_page_bytes(self._p, handle, page)
 
     def release_free_segments(self, size_t max_bytes=SIZE_MAX, int small=-1) -> list:
         """Detach wholly free segments, largest first, until max_bytes have been released;

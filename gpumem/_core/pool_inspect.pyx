@@ -14,7 +14,7 @@ from libc.stdint cimport uint64_t
 from libc.stdlib cimport malloc, free
 
 from gpumem._core.pool_layout cimport (
-    GM_NCLASSES, GM_NWORDS, GM_NSHARDS, GM_FRONT_BINS, gm_block, gm_heap, gm_pool, gm_segment,
+    GM_NCLASSES, GM_NWORDS, GM_NSHARDS, GM_FRONT_BINS, GM_UNMAPPED, gm_block, gm_heap, gm_pool, gm_segment,
     gm_stats, gm_front_bin)
 from gpumem._core._pool_inline cimport (_lock_all_gil, _unlock_all, _class_of, _class_floor,
                                         gm_clz64)
@@ -34,7 +34,7 @@ ctypedef struct _blockrow:
     size_t offset
     size_t size
     size_t requested
-    int allocated
+    int state                        # index into _STATES
     uint64_t stream
     uint64_t serial
 
@@ -155,6 +155,9 @@ _FINDINGS = (
     "front cache {0}: cached_bytes {1} but a recount gives {2}",                # 30
     "{0} carved blocks without a serial but {1} in front caches",               # 31
     "counter in_use_bytes (front caches in) is {0} but a recount gives {1}",    # 32
+    "segment {0:#x}: unmapped block at {1} keeps a serial or is in the small pool",  # 33
+    "segment {0:#x}: adjacent unmapped blocks at {1} and {2} left unmerged",    # 34
+    "segment {0:#x}: unmapped {1} but a recount gives {2}",                     # 35
 )
 
 cdef inline void _note(_findings* f, int code, size_t a=0, size_t b=0,
@@ -174,7 +177,7 @@ cdef void _walk_invariants(gm_pool* p, _findings* f) noexcept nogil:
     cdef gm_heap* h
     cdef size_t reserved = 0, in_use = 0, requested = 0, nseg = 0, live = 0, seg_live
     cdef size_t list_free_blocks = 0, free_blocks = 0
-    cdef size_t hbytes, hcount, offset, whole_free = 0
+    cdef size_t hbytes, hcount, offset, whole_free = 0, unmapped
     cdef size_t fronted = 0, fronted_bytes = 0, binned = 0, binned_bytes = 0
     cdef size_t v[_NCOUNTERS]
     cdef int i, c, j
@@ -184,8 +187,8 @@ cdef void _walk_invariants(gm_pool* p, _findings* f) noexcept nogil:
     s = p.segments
     while s != NULL:
         nseg += 1
-        reserved += s.size
         offset = 0
+        unmapped = 0
         seg_live = 0
         b = s.first
         if b == NULL or b.prev != NULL:
@@ -220,9 +223,18 @@ cdef void _walk_invariants(gm_pool* p, _findings* f) noexcept nogil:
                     _note(f, 9, b.offset)
                 if b.next != NULL and b.next.heap_index == b.heap_index:
                     _note(f, 10, s.handle, b.offset, b.next.offset)
+            elif b.heap_index == GM_UNMAPPED:
+                unmapped += b.size
+                if b.serial != 0 or s.is_small:
+                    _note(f, 33, s.handle, b.offset)
+                if b.next != NULL and b.next.heap_index == GM_UNMAPPED:
+                    _note(f, 34, s.handle, b.offset, b.next.offset)
             else:
                 _note(f, 11, b.offset, <size_t>b.heap_index)
             b = b.next
+        if unmapped != s.unmapped:
+            _note(f, 35, s.handle, s.unmapped, unmapped)
+        reserved += s.size - unmapped
         if s.first != NULL and s.first.next == NULL and s.first.heap_index >= 0:
             whole_free += s.size
         if offset != s.size:
@@ -333,6 +345,9 @@ cdef size_t largest_free_block(gm_pool* p) noexcept:
     return best
 
 
+_STATES = ("free", "allocated", "unmapped")
+
+
 cdef list segments(gm_pool* p):
     """Every segment with its blocks in address order, as plain dicts (for snapshots). A
     block kept in a front cache is "free" (cached), though not merged with its neighbours."""
@@ -367,7 +382,9 @@ cdef list segments(gm_pool* p):
                 blocks[j].offset = b.offset
                 blocks[j].size = b.size
                 blocks[j].requested = b.requested
-                blocks[j].allocated = b.heap_index == -1 and b.serial != 0
+                # 1 allocated, 0 free (or in a front cache), 2 unmapped
+                blocks[j].state = (1 if b.heap_index == -1 and b.serial != 0 else
+                                       2 if b.heap_index == GM_UNMAPPED else 0)
                 blocks[j].stream = b.stream
                 blocks[j].serial = b.serial
                 j += 1
@@ -386,7 +403,7 @@ cdef list segments(gm_pool* p):
                 rows.append({
                     "offset": blocks[k].offset, "size": blocks[k].size,
                     "requested": blocks[k].requested,
-                    "state": "allocated" if blocks[k].allocated else "free",
+                    "state": _STATES[blocks[k].state],
                     "stream": blocks[k].stream, "id": blocks[k].serial,
                 })
             out.append({"handle": segs[i].handle, "base": segs[i].base,

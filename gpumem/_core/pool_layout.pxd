@@ -18,6 +18,11 @@ cdef enum:
     GM_UNKNOWN_STREAM = 2            # the stream was never registered with this pool
     GM_BAD_BLOCK = 3                 # gm_free of a block that is not live (double free)
 
+# gm_block.heap_index of a block whose pages are unmapped (expandable segments, pool_pages.pyx):
+# in no heap, not live, not reserved; it merges only with unmapped neighbours.
+cdef enum:
+    GM_UNMAPPED = -3
+
 ctypedef struct gm_segment
 
 ctypedef struct gm_block:
@@ -40,7 +45,8 @@ ctypedef struct gm_block:
 ctypedef struct gm_segment:
     uint64_t handle                  # backend's name for the raw allocation
     size_t base                      # address of byte 0 (synthetic for OpenCL)
-    size_t size
+    size_t size                      # address span of its blocks (mapped and unmapped)
+    size_t unmapped                  # bytes of its unmapped blocks: reserved = size - unmapped
     int is_small                     # 1: the small pool (<= small_size requests)
     size_t live_blocks
     uint64_t stream                  # stream that caused its creation (informational)

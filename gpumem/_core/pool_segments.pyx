@@ -78,7 +78,8 @@ cdef gm_segment* link_new_segment(gm_pool* p, uint64_t handle, size_t base, size
 
 
 cdef void detach_segment(gm_pool* p, gm_segment* seg, segdesc* desc) noexcept nogil:
-    """Unlink a wholly free segment (lock held), drop its blocks; describe it in *desc. Its
+    """Unlink a segment without live blocks (lock held: free and unmapped ones), drop its
+    blocks; describe it in *desc. Its
     stream is the one whose heap held the free block (the last stream to use the bytes), so
     restore_segment puts it back where it is safe, not under the stream that created it."""
     cdef gm_block* b = seg.first
@@ -89,11 +90,12 @@ cdef void detach_segment(gm_pool* p, gm_segment* seg, segdesc* desc) noexcept no
         desc.size = seg.size
         desc.is_small = seg.is_small
         desc.stream = b.stream
-    if b.next == NULL:
+    if b.next == NULL and b.heap_index >= 0:
         gm_sub(p.stats.whole_free_bytes, seg.size)
     while b != NULL:
         nxt = b.next
-        _heap_remove(p.heaps[b.heap_index], b)
+        if b.heap_index >= 0:             # not an unmapped block (expandable segments)
+            _heap_remove(p.heaps[b.heap_index], b)
         _drop_block(p, b)
         b = nxt
     if seg.prev != NULL:
@@ -102,7 +104,7 @@ cdef void detach_segment(gm_pool* p, gm_segment* seg, segdesc* desc) noexcept no
         p.segments = seg.next
     if seg.next != NULL:
         seg.next.prev = seg.prev
-    gm_sub(p.stats.reserved_bytes, seg.size)
+    gm_sub(p.stats.reserved_bytes, seg.size - seg.unmapped)
     gm_sub(p.stats.num_segments, 1)
     gm_add(p.stats.segments_released, 1)
     free(seg)
@@ -219,7 +221,7 @@ cdef list release_free_segments(gm_pool* p, size_t max_bytes, int small):
             s = s.next
         if best == NULL:
             break
-        released += best.size
+        released += best.size - best.unmapped
         detach_segment(p, best, &out[n])
         n += 1
     _unlock_all(p)
