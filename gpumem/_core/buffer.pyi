@@ -1,6 +1,6 @@
 from typing import Any
 
-from gpumem._core.pool import CachingPool
+from gpumem._core.manager_base import ManagerBase
 from gpumem._core.view import BufferView
 from gpumem.backends.base import Device
 from gpumem.fallback import FallbackBuffer
@@ -46,15 +46,7 @@ class Buffer:
     def __exit__(self, *exc: Any) -> bool: ...
     def __len__(self) -> int: ...
 
-class ManagerCore:
-    pool: CachingPool
-    device: Device
-    device_string: str
-    pending_free_bytes: int
-    @property
-    def pending_free_count(self) -> int: ...
-    def pending_free_ids(self) -> frozenset[int]: ...
-    def collect_pending_frees(self, wait: bool = ...) -> int: ...
+class ManagerCore(ManagerBase):
     def malloc(self, nbytes: int, *, stream: Any = ..., tag: Any = ...,
                fallback: bool = ...) -> Buffer | FallbackBuffer: ...
     def free(self, buffer: Any) -> None: ...

@@ -7,33 +7,30 @@ Python-level hot path (argument checks, one gm_alloc/gm_free, one Buffer built w
 `__init__`). Everything rare (a miss, an error, tracking hooks) calls back into Python methods the
 subclass defines: `_malloc_slow`, `_on_alloc`, `_on_free`, `_trim_cache`, `_free_other`.
 
+The manager's state and cold machinery (deferred frees, destroyed streams, the address log)
+are in ManagerBase (manager_base.pyx), which ManagerCore subclasses.
+
 Thread safety (docs/concurrency.md): the pool lock is taken through the GIL-aware variants
-(`gm_alloc_gil`/`gm_free_gil`). Deferred frees are appended to `_pending` without a lock
-(one list operation under the GIL, safe from `__dealloc__`) and removed only by the one
-collector holding `_collect_lock`.
+(`gm_alloc_gil`/`gm_free_gil`).
 """
 cimport cython
 from libc.stdint cimport uint64_t
-from libc.stdlib cimport calloc, free
 from cpython.long cimport PyLong_AsLongLong, PyLong_AsLongLongAndOverflow
 from cpython.ref cimport PyObject
 
+from gpumem._core.manager_base cimport ManagerBase
 from gpumem._core.native_cache cimport NativeCache
 from gpumem._core.pool cimport (CachingPool, gm_pool, gm_block, gm_alloc_gil, gm_free_gil,
                                 GM_OK, GM_MISS, GM_UNKNOWN_STREAM, GM_BAD_BLOCK)
 
 import operator
-import threading
 import warnings
 
-from gpumem._core.stream_handles import foreign_stream_handle
+from gpumem._core.manager_base import NOT_COPYABLE
 from gpumem.errors import (BufferInUseError, ClosedManagerError, DoubleFreeError,
                            ForeignBufferError, InvalidInputError)
 
 cdef long long _SIZE_TOO_BIG = 1LL << 62
-_STREAM_LIMIT = 1 << 64
-_NOT_COPYABLE = ("a gpumem {} cannot be copied or pickled: it owns device memory that has one "
-                 "owner; use copy_to_host() for the bytes, or a new malloc() and copy_from_host()")
 
 
 cdef long long _size_arg(object nbytes) except -1:
@@ -78,13 +75,13 @@ cdef class Buffer:
     # Device memory has one owner: a copy would free the same block twice, a pickle would
     # name an address that means nothing in another process.
     def __reduce_ex__(self, protocol):
-        raise TypeError(_NOT_COPYABLE.format("Buffer"))
+        raise TypeError(NOT_COPYABLE.format("Buffer"))
 
     def __copy__(self):
-        raise TypeError(_NOT_COPYABLE.format("Buffer"))
+        raise TypeError(NOT_COPYABLE.format("Buffer"))
 
     def __deepcopy__(self, memo):
-        raise TypeError(_NOT_COPYABLE.format("Buffer"))
+        raise TypeError(NOT_COPYABLE.format("Buffer"))
 
     @property
     def ptr(self) -> int:
@@ -339,114 +336,9 @@ cdef class _DroppedBuffer:
         return d
 
 
-@cython.final
-cdef class _PendingFree:
-    """A freed block waiting for events on the other streams that used it."""
-    cdef gm_block* block
-    cdef uint64_t serial
-    cdef list events
-
-
-cdef class ManagerCore:
-    """malloc/free over a CachingPool; subclassed by gpumem.MemoryManager."""
-
-    cdef readonly CachingPool pool
-    cdef gm_pool* _p
-    cdef readonly object device
-    cdef readonly str device_string
-    cdef readonly bint _closed
-    cdef public bint _hooks              # observers (stack tracking): call _on_alloc/_on_free
-    cdef public bint _via_python         # C clients' requests go through malloc (observers,
-                                         # or tags kept: their buffers are tagged)
-    cdef size_t _max_request             # above this a request fails at once, no driver call
-    cdef size_t _cache_limit             # cached bytes above this call _trim_cache()
-    cdef list _pending                   # _PendingFree: freed, waiting for other streams
-    cdef readonly size_t pending_free_bytes
-    cdef object _collect_lock            # threading.RLock: one collect_pending_frees at a time
-    cdef bint _collecting                # set while this manager's collector runs
-    cdef set _dead_streams               # destroyed streams with heaps still in the pool
-    cdef int _ndead                      # len(_dead_streams): one C test on the hot path
-    cdef NativeCache _native_cache       # the device's `native_cache` (Buffer.native), or None
-    # Tracking and history read the pool's live blocks and C history rings; the only
-    # per-buffer state they need on the hot path is kept here, written under the GIL:
-    cdef public dict _tags               # id -> tag of tagged buffers (None: not kept)
-    cdef public Py_ssize_t _tags_limit   # above this many entries _prune_tags() runs
-    cdef uint64_t* _addr_log             # (id, address) pairs of recent allocations, or NULL:
-    cdef size_t _addr_mask               # the pool's history has no address column
-    cdef size_t _addr_count
-
-    # Device memory has one owner: see Buffer.__reduce_ex__.
-    def __reduce_ex__(self, protocol):
-        raise TypeError(_NOT_COPYABLE.format(type(self).__name__))
-
-    def __copy__(self):
-        raise TypeError(_NOT_COPYABLE.format(type(self).__name__))
-
-    def __deepcopy__(self, memo):
-        raise TypeError(_NOT_COPYABLE.format(type(self).__name__))
-
-    def __dealloc__(self):
-        free(self._addr_log)
-
-    def _set_address_log(self, size_t capacity) -> None:
-        """Keep the addresses of the newest `capacity` allocations (rounded up to a power of
-        two; 0: none) for history readers; forgets what was kept."""
-        cdef size_t cap = 1
-        cdef uint64_t* log = NULL
-        if capacity:
-            while cap < capacity:
-                cap <<= 1
-            log = <uint64_t*>calloc(2 * cap, sizeof(uint64_t))
-            if log == NULL:
-                raise MemoryError(f"cannot keep the addresses of {cap} allocations")
-        free(self._addr_log)
-        self._addr_log = log
-        self._addr_mask = cap - 1 if capacity else 0
-        self._addr_count = 0
-
-    def _addresses(self) -> dict:
-        """``{id: address}`` of the allocations in the address log."""
-        cdef size_t i, n
-        out = {}
-        if self._addr_log == NULL:
-            return out
-        n = min(self._addr_count, self._addr_mask + 1)
-        for i in range(self._addr_count - n, self._addr_count):
-            out[self._addr_log[2 * (i & self._addr_mask)]] = \
-                self._addr_log[2 * (i & self._addr_mask) + 1]
-        return out
-
-    def _prune_tags(self) -> None:
-        """Called when ``_tags`` outgrows ``_tags_limit`` (MemoryManager drops stale tags)."""
-        self._tags_limit = 2 * len(self._tags) + 4096
-
-    def _core_init(self, CachingPool pool, device, str device_string) -> None:
-        self.pool = pool
-        self._p = pool._p
-        self.device = device
-        self.device_string = device_string
-        cache = getattr(device, "native_cache", None)
-        self._native_cache = cache if isinstance(cache, NativeCache) else None
-        self._max_request = <size_t>-1
-        self._cache_limit = <size_t>-1
-        self._pending = []
-        self._collect_lock = threading.RLock()
-        self._dead_streams = set()
-
-    def _set_limits(self, max_request, cache_limit) -> None:
-        """max_request: largest servable request; cache_limit: cached bytes kept (None: any)."""
-        self._max_request = <size_t>-1 if max_request is None else <size_t>max_request
-        self._cache_limit = <size_t>-1 if cache_limit is None else <size_t>cache_limit
-
-    def _mark_closed(self) -> None:
-        self._closed = True
-
-    def _flag_addresses(self) -> tuple:
-        """``(address of the closed flag, address of the via-Python flag)``, two C ints.
-        C-level clients that allocate without the GIL (the torch allocator) read them to know
-        when a request must go through Python instead; valid while they hold a reference to
-        self."""
-        return <size_t>&self._closed, <size_t>&self._via_python
+cdef class ManagerCore(ManagerBase):
+    """malloc/free over a CachingPool; subclassed by gpumem.MemoryManager. Its state and cold
+    machinery (deferred frees, destroyed streams, the address log) are in ManagerBase."""
 
     # plain method descriptors (not CyFunctions): mm.malloc(n) and buf.free() are direct calls;
     # the signature stays visible to inspect through the clinic-format docstring
@@ -571,142 +463,6 @@ cdef class ManagerCore:
                 > self._cache_limit):
             self._trim_cache()
         return 0
-
-    # --- frees that wait for other streams (Buffer.record_stream) ------------------------------
-    cdef int _defer_free(self, gm_block* b, uint64_t serial, list streams) except -1:
-        """Record an event on each stream that used the block; the block goes back to the pool
-        once every event is done (collect_pending_frees). If an event cannot be recorded the
-        device is synchronized instead, which is always safe, and the block is freed now."""
-        cdef _PendingFree p = _PendingFree.__new__(_PendingFree)
-        p.block = b
-        p.serial = serial
-        p.events = []
-        try:
-            for s in streams:
-                p.events.append(self.device.record_event(s))
-        except Exception as exc:
-            self._destroy_events(p.events)
-            warnings.warn(f"gpumem: could not record an event for buffer {serial} on "
-                          f"{self.device_string} ({exc}); synchronizing instead", RuntimeWarning)
-            self.device.synchronize()
-            gm_free_gil(self._p, b, serial)
-            return 0
-        self._pending.append(p)
-        self.pending_free_bytes += b.size
-        return 0
-
-    cdef _destroy_events(self, list events):
-        for e in events:
-            try:
-                self.device.destroy_event(e)
-            except Exception:
-                pass                  # an event the driver already dropped: nothing to free
-
-    cdef bint _events_done(self, list events) except -1:
-        for e in events:
-            if not self.device.event_done(e):
-                return False
-        return True
-
-    @property
-    def pending_free_count(self) -> int:
-        """Freed buffers whose blocks wait for other streams (see Buffer.record_stream)."""
-        return len(self._pending)
-
-    def pending_free_ids(self) -> frozenset:
-        """Ids of the freed buffers whose blocks wait for other streams."""
-        return frozenset((<_PendingFree>p).serial for p in list(self._pending))
-
-    def collect_pending_frees(self, bint wait=False) -> int:
-        """Return to the pool every deferred free whose streams have passed it (all of them,
-        after synchronizing the device, when `wait`); the number of blocks returned.
-
-        One collector at a time (``_collect_lock``). Without `wait` a call that finds another
-        thread collecting returns 0 at once (malloc calls this and must not queue behind it);
-        a call re-entered from a finalizer that runs during a collection returns 0 too.
-        Deferrers only append to ``_pending``; only the collector removes, so the first n
-        entries it saw stay where they are while event queries let the GIL go."""
-        cdef _PendingFree p
-        cdef list pending = self._pending
-        cdef list done = []
-        cdef Py_ssize_t i, n
-        if not pending:
-            return 0
-        if not self._collect_lock.acquire(wait):
-            return 0
-        try:
-            if self._collecting:
-                return 0
-            self._collecting = True
-            try:
-                n = len(pending)
-                error = None
-                if wait:
-                    self.device.synchronize()
-                for i in range(n):
-                    try:
-                        if wait or self._events_done((<_PendingFree>pending[i]).events):
-                            done.append(i)
-                    except Exception as exc:  # a driver error: the rest stays pending
-                        error = exc
-                        break
-                for i in reversed(done):
-                    p = pending[i]
-                    del pending[i]
-                    self.pending_free_bytes -= p.block.size
-                    gm_free_gil(self._p, p.block, p.serial)
-                    self._destroy_events(p.events)
-                if error is not None:
-                    raise error
-                return len(done)
-            finally:
-                self._collecting = False
-        finally:
-            self._collect_lock.release()
-
-    # --- streams destroyed under the pool (Device.destroy_stream, or found unknown) ----------
-    cdef int _mark_stream_dead(self, uint64_t s) except -1:
-        """From now on malloc on `s` takes the slow path, which refuses it (or, if the driver
-        reused the handle for a new stream, revives it)."""
-        if s not in self._dead_streams:
-            self._dead_streams.add(s)
-            self._ndead += 1
-        return 0
-
-    cdef int _mark_stream_alive(self, uint64_t s) except -1:
-        if s in self._dead_streams:
-            self._dead_streams.discard(s)
-            self._ndead -= 1
-        return 0
-
-    def _stream_died(self, stream) -> None:
-        self._mark_stream_dead(stream)
-
-    def _stream_revived(self, stream) -> None:
-        self._mark_stream_alive(stream)
-
-    def _is_dead_stream(self, stream) -> bool:
-        return self._ndead != 0 and stream in self._dead_streams
-
-    def _reset_collector(self) -> None:
-        """After fork: the collector lock may have been held by a thread that is gone."""
-        self._collect_lock = threading.RLock()
-        self._collecting = False
-
-    def _stream_handle(self, stream) -> int:
-        """The integer handle of a stream argument: an int, or a stream object of any framework
-        (``foreign_stream_handle``). Values outside [0, 2**64) raise InvalidInputError."""
-        if type(stream) is int and 0 <= stream < _STREAM_LIMIT:
-            return stream
-        if isinstance(stream, bool):
-            raise TypeError("stream must be an int handle or a stream object, not a bool")
-        if hasattr(stream, "__index__"):
-            handle = operator.index(stream)
-        else:
-            handle = foreign_stream_handle(stream)
-        if not 0 <= handle < _STREAM_LIMIT:
-            raise InvalidInputError(f"stream handle must be in [0, 2**64), got {handle}")
-        return handle
 
     # --- used by MemoryManager's slow paths ---------------------------------------------------
     def _alloc_in_new_segment(self, uint64_t handle, size_t base, size_t seg_size,
