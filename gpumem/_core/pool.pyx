@@ -60,9 +60,10 @@ from libcpp.atomic cimport memory_order_relaxed
 
 from gpumem._core._pool_inline cimport (
     aligned_alloc, gm_add, gm_sub, gm_max, _lock, _unlock, _lock_gil, _shard_lock,
-    _shard_lock_gil, _shard_unlock, _record, _ring_init, _class_of, _heap_insert, _heap_remove,
+    _shard_lock_gil, _shard_unlock, _ring_init, _class_of, _heap_insert, _heap_remove,
     _take_fit, _new_block, _drop_block, _slot, _register_stream, _coalesce_insert,
     _round_up, _round_size, _find_segment, _last_block)
+from gpumem._core._pool_clock cimport _record, gm_clock_ticking
 from gpumem._core._pool_front cimport _my_shard, _front_take, _front_put, _top_up_serials
 from gpumem._core cimport pool_history, pool_inspect, pool_segments
 
@@ -594,11 +595,17 @@ cdef class CachingPool:
         return self._p.history_capacity.load()
 
     def history(self, last=None) -> dict:
-        """The recorded events, oldest first, as numpy arrays ``t_ns`` (CLOCK_MONOTONIC_COARSE
-        nanoseconds), ``op`` (0 alloc, 1 free), ``id``, ``size`` (bytes requested), ``stream``;
+        """The recorded events, oldest first, as numpy arrays ``t_ns`` (CLOCK_MONOTONIC
+        nanoseconds, as ``time.monotonic_ns()``, to the history clock's ~1 ms tick), ``op`` (0 alloc, 1 free), ``id``, ``size`` (bytes requested), ``stream``;
         only the newest `last` if given. Events of different threads are ordered by time, each
         free after its allocation."""
         return pool_history.history(self._p, last)
+
+    @staticmethod
+    def history_clock_ticking() -> bool:
+        """Whether the history clock's ticker thread runs (process-wide; _pool_clock.pxd): it
+        starts with the first event and stops after about 2 s without one."""
+        return gm_clock_ticking() != 0
 
     # --- introspection ------------------------------------------------------------------------
     def segments(self) -> list:
