@@ -102,8 +102,8 @@ cdef extern from *:
         return t;
     }
 
-    static inline int gm_clock_ticking(void) {
-        return gm_clock_now.load(std::memory_order_relaxed) != 0;
+    static inline int gm_clock_ticking(void) {   /* a ticker runs or is starting */
+        return gm_clock_running.load(std::memory_order_acquire);
     }
     """
     unsigned long long gm_history_now() nogil
