@@ -76,6 +76,9 @@ cdef extern from *:
             int rc;
             if (!gm_clock_atfork.exchange(1))
                 pthread_atfork(NULL, NULL, gm_clock_after_fork);
+            /* publish a reading before the ticker exists: its samples are all later, so a
+               ring's events never go back in time across the start */
+            gm_clock_now.store(gm_mono_ns(), std::memory_order_relaxed);
             sigfillset(&all);               /* signals go to the application's threads */
             pthread_sigmask(SIG_SETMASK, &all, &old);
             pthread_attr_init(&attr);
@@ -84,12 +87,14 @@ cdef extern from *:
             rc = pthread_create(&th, &attr, gm_clock_tick, NULL);
             pthread_attr_destroy(&attr);
             pthread_sigmask(SIG_SETMASK, &old, NULL);
-            if (rc != 0) {
+            if (rc != 0) {                  /* no thread: every event reads the clock */
+                gm_clock_now.store(0, std::memory_order_relaxed);
                 gm_clock_no_thread.store(1, std::memory_order_relaxed);
                 gm_clock_running.store(0, std::memory_order_relaxed);
             }
         }
-        return gm_mono_ns();
+        unsigned long long t = gm_clock_now.load(std::memory_order_relaxed);
+        return t ? t : gm_mono_ns();
     }
 
     /* The time of an event: the ticker's last CLOCK_MONOTONIC reading. */

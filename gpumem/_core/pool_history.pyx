@@ -120,6 +120,13 @@ cdef dict history(gm_pool* p, last):
             memcpy(&dst[0], buf, sizeof(gm_event) * total)
     finally:
         free(buf)
+    k = 0
+    for i in range(GM_NSHARDS + 1):
+        # a ring's events are in lock order; a ticker starting or stopping while another
+        # thread reads the clock itself can leave a time a few us behind the one before it
+        if counts[i] > 1:
+            np.maximum.accumulate(raw["t_ns"][k:k + counts[i]], out=raw["t_ns"][k:k + counts[i]])
+        k += counts[i]
     ring = np.repeat(np.arange(GM_NSHARDS + 1), [counts[i] for i in range(GM_NSHARDS + 1)])
     order = np.lexsort((np.arange(total), ring, raw["t_ns"]))   # by time, then ring order
     raw = raw[order]
