@@ -34,6 +34,8 @@ but always frees to the pool, so Python-only use never fills one.
 
 History: alloc/free events go to C rings (gm_ring), the pool's under the pool lock and each front
 cache's under its own lock; ``history()`` copies them out under all locks and merges by time.
+An event's time is one load of the history clock, a ticker thread's CLOCK_MONOTONIC sample
+(_pool_clock.pxd: why, and its life cycle).
 
 Modules (one job each; what several of them need is ``cdef inline`` in the internal .pxd
 files, compiled into each module that uses it, so the hot path calls nothing through another
@@ -44,6 +46,7 @@ module):
 - _pool_inline.pxd: locks, size classes, heaps and best fit, block structs, stream slots,
   coalescing, history rings, segment lookup;
 - _pool_front.pxd: the per-thread front caches (cimported by this module only);
+- _pool_clock.pxd: the history clock and the ring write (cimported by this module only);
 - pool_segments.pyx: adopting, detaching, releasing and restoring segments, flushing the front
   caches, re-filing idle streams' blocks, freeing the pool's records;
 - pool_inspect.pyx: counters, the largest free block, the segment table, check_invariants;
