@@ -66,7 +66,7 @@ cdef extern from *:
 
     /* The rare path: no ticker. Starts one (unless one is starting or stopping) and reads the
        clock itself. Creates no Python object: callable under the pool's locks. */
-    static unsigned long long gm_clock_slow(void) {
+    __attribute__((noinline, cold)) static unsigned long long gm_clock_slow(void) {
         int expected = 0;
         if (!gm_clock_no_thread.load(std::memory_order_relaxed)
                 && gm_clock_running.compare_exchange_strong(expected, 1)) {

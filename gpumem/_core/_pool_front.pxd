@@ -43,17 +43,6 @@ cdef inline gm_shard* _my_shard(gm_pool* p) noexcept nogil:
 cdef inline gm_front_bin* _bin(gm_shard* sh, size_t s, uint64_t stream) noexcept nogil:
     return &sh.bins[((s >> 9) ^ (s >> 14) ^ stream ^ (stream >> 8)) & (GM_FRONT_BINS - 1)]
 
-cdef inline void _shard_record(gm_pool* p, gm_shard* sh, uint64_t op, uint64_t id, size_t size,
-                               uint64_t stream) noexcept nogil:
-    """An event in the shard's ring, started on first use while the pool's history is on.
-    Last in _front_take/_front_put: the event's stores come after every other access (no
-    reloads of fields the compiler must assume they alias)."""
-    if sh.history.events == NULL:
-        if not p.history_capacity.load(memory_order_relaxed):
-            return
-        _ring_init(&sh.history, p.history_capacity.load(memory_order_relaxed))
-    _record(&sh.history, op, id, size, stream)
-
 cdef inline gm_block* _front_take(gm_pool* p, gm_shard* sh, size_t s, size_t nbytes,
                                   uint64_t stream) noexcept nogil:
     """A block of the shard's bin for (stream, s), made live; NULL if the bin has none or the
@@ -61,21 +50,21 @@ cdef inline gm_block* _front_take(gm_pool* p, gm_shard* sh, size_t s, size_t nby
     not the pool's."""
     cdef gm_front_bin* bin = _bin(sh, s, stream)
     cdef gm_block* b
-    cdef uint64_t serial
     if (bin.count == 0 or bin.size != s or bin.stream != stream
             or sh.serial_next == sh.serial_end):
         return NULL
     bin.count -= 1
     b = bin.blocks[bin.count]
-    serial = sh.serial_next
-    sh.serial_next = serial + 1
-    b.serial = serial
+    b.serial = sh.serial_next
+    sh.serial_next += 1
     b.requested = nbytes
+    if sh.history.events == NULL and p.history_capacity.load(memory_order_relaxed):
+        _ring_init(&sh.history, p.history_capacity.load(memory_order_relaxed))
+    _record(&sh.history, 0, b.serial, nbytes, stream)
     gm_sub(sh.cached_bytes, b.size)
     gm_sub(sh.cached_blocks, 1)
     gm_add(sh.requested_delta, nbytes)
     gm_add(sh.allocs, 1)
-    _shard_record(p, sh, 0, serial, nbytes, stream)
     return b
 
 cdef inline void _top_up_serials(gm_pool* p, gm_shard* sh) noexcept nogil:
@@ -92,12 +81,11 @@ cdef inline bint _front_put(gm_pool* p, gm_shard* sh, gm_block* b) noexcept nogi
     """Keep the live block b (already validated) in the shard's bins; False when it does not
     belong there (a full bin, or the shard's byte budget spent: that also bounds the size of a
     block a front cache can hold)."""
-    cdef size_t s, requested = b.requested
-    cdef uint64_t serial = b.serial
+    cdef size_t s
     cdef gm_front_bin* bin
     if sh.cached_bytes.load(memory_order_relaxed) + b.size > GM_FRONT_BYTES:
         return False
-    s = _round_size(p, requested)
+    s = _round_size(p, b.requested)
     bin = _bin(sh, s, b.stream)
     if bin.count == 0:
         bin.size = s
@@ -106,11 +94,13 @@ cdef inline bint _front_put(gm_pool* p, gm_shard* sh, gm_block* b) noexcept nogi
         return False
     bin.blocks[bin.count] = b
     bin.count += 1
+    if sh.history.events == NULL and p.history_capacity.load(memory_order_relaxed):
+        _ring_init(&sh.history, p.history_capacity.load(memory_order_relaxed))
+    _record(&sh.history, 1, b.serial, b.requested, b.stream)
     gm_add(sh.cached_bytes, b.size)
     gm_add(sh.cached_blocks, 1)
-    gm_sub(sh.requested_delta, requested)
+    gm_sub(sh.requested_delta, b.requested)
     gm_add(sh.frees, 1)
     b.serial = 0
     b.requested = 0
-    _shard_record(p, sh, 1, serial, requested, bin.stream)
     return True
