@@ -170,3 +170,31 @@ def test_a_forked_child_dates_its_events():
     _assert_dated(times, windows)
     assert all(b - a >= 200 * MS - WORST_NS for a, b in zip(times, times[1:]))
     mm.close()
+
+
+def _os_threads() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("Threads:"))
+
+
+@pytest.mark.skipif(not (hasattr(os, "fork") and os.path.exists("/proc/self/status")),
+                    reason="needs os.fork and Linux /proc")
+def test_fork_stops_the_ticker_first():
+    """fork() finds no ticker thread (the atfork prepare handler stops and reaps it), so a
+    fork is no more multi-threaded than the application made it (Python 3.12+ warns when it
+    is); the parent's next event starts a ticker again."""
+    from gpumem._core.pool import CachingPool
+    _, mm = sim_manager("1GiB")
+    mm.malloc(4096).free()
+    assert CachingPool.history_clock_ticking()
+    with_ticker = _os_threads()
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    after_fork = _os_threads()
+    ticking = CachingPool.history_clock_ticking()
+    os.waitpid(pid, 0)
+    assert not ticking and after_fork == with_ticker - 1
+    mm.malloc(4096).free()
+    assert CachingPool.history_clock_ticking() and _os_threads() == with_ticker
+    mm.close()

@@ -13,9 +13,9 @@
 #
 # The ticker is plain C (it never touches Python): it is started by the first event that finds
 # no ticker (gm_clock_now == 0: that event reads the clock itself) and it stops after
-# GM_CLOCK_IDLE_TICKS ticks without an event, setting gm_clock_now back to 0. A forked child
-# has no ticker: the pthread_atfork child handler sets gm_clock_now to 0, so the child's first
-# event starts its own. If no thread can be made, every event reads the clock itself.
+# GM_CLOCK_IDLE_TICKS ticks without an event, setting gm_clock_now back to 0. Around fork()
+# (pthread_atfork) it is stopped and reaped, so neither the parent nor the child has one until
+# its next event. If no thread can be made, every event reads the clock itself.
 from libc.stdint cimport uint64_t
 
 from gpumem._core.pool_layout cimport gm_event, gm_ring
@@ -30,9 +30,15 @@ cdef extern from *:
     #define GM_CLOCK_IDLE_TICKS 2000       /* the ticker stops after ~2 s without an event */
     static std::atomic<unsigned long long> gm_clock_now{0};  /* 0: no ticker: read the clock */
     static std::atomic<int> gm_clock_used{0};     /* set by events, cleared by the ticker */
-    static std::atomic<int> gm_clock_running{0};  /* 1 while a ticker runs or is starting */
+    static std::atomic<int> gm_clock_running{0};  /* 1 while a ticker runs */
+    static std::atomic<int> gm_clock_stop{0};     /* set before a fork: the ticker exits */
     static std::atomic<int> gm_clock_no_thread{0};/* pthread_create failed: never try again */
-    static std::atomic<int> gm_clock_atfork{0};
+    /* starting, reaping and (around fork) stopping the ticker; never taken by an event that
+       could wait (trylock) */
+    static pthread_mutex_t gm_clock_mu = PTHREAD_MUTEX_INITIALIZER;
+    static pthread_t gm_clock_thread;             /* under gm_clock_mu */
+    static int gm_clock_joinable = 0;             /* under gm_clock_mu: a thread to reap */
+    static int gm_clock_atfork = 0;               /* under gm_clock_mu */
 
     static inline unsigned long long gm_mono_ns(void) {
         struct timespec ts;
@@ -46,6 +52,8 @@ cdef extern from *:
         for (;;) {
             gm_clock_now.store(gm_mono_ns(), std::memory_order_relaxed);
             nanosleep(&tick, NULL);
+            if (gm_clock_stop.load(std::memory_order_relaxed))
+                break;
             if (gm_clock_used.load(std::memory_order_relaxed)) {
                 gm_clock_used.store(0, std::memory_order_relaxed);
                 idle = 0;
@@ -58,40 +66,71 @@ cdef extern from *:
         return NULL;
     }
 
-    static void gm_clock_after_fork(void) {    /* the child has no ticker thread */
+    static void gm_clock_reap_locked(void) {    /* gm_clock_mu held */
+        if (gm_clock_joinable) {
+            pthread_join(gm_clock_thread, NULL);
+            gm_clock_joinable = 0;
+        }
+    }
+
+    /* fork: the ticker is stopped and reaped first (at most one tick), so the fork sees one
+       thread fewer (Python 3.12+ warns when forking a multi-threaded process) and the child
+       inherits no ticker state; the next event restarts it, in the parent and in the child */
+    static void gm_clock_before_fork(void) {
+        pthread_mutex_lock(&gm_clock_mu);
+        if (gm_clock_joinable) {
+            gm_clock_stop.store(1, std::memory_order_relaxed);
+            gm_clock_reap_locked();
+            gm_clock_stop.store(0, std::memory_order_relaxed);
+        }
+    }
+    static void gm_clock_after_fork_parent(void) {
+        pthread_mutex_unlock(&gm_clock_mu);
+    }
+    static void gm_clock_after_fork_child(void) {
         gm_clock_now.store(0, std::memory_order_relaxed);
         gm_clock_used.store(0, std::memory_order_relaxed);
         gm_clock_running.store(0, std::memory_order_relaxed);
+        gm_clock_joinable = 0;
+        pthread_mutex_unlock(&gm_clock_mu);     /* locked by this (the forking) thread */
     }
 
-    /* The rare path: no ticker. Starts one (unless one is starting or stopping) and reads the
+    /* The rare path: no ticker. Starts one (unless another thread is at it) and reads the
        clock itself. Creates no Python object: callable under the pool's locks. */
     __attribute__((noinline, cold)) static unsigned long long gm_clock_slow(void) {
-        int expected = 0;
         if (!gm_clock_no_thread.load(std::memory_order_relaxed)
-                && gm_clock_running.compare_exchange_strong(expected, 1)) {
-            pthread_t th;
-            pthread_attr_t attr;
-            sigset_t all, old;
-            int rc;
-            if (!gm_clock_atfork.exchange(1))
-                pthread_atfork(NULL, NULL, gm_clock_after_fork);
-            /* publish a reading before the ticker exists: its samples are all later, so a
-               ring's events never go back in time across the start */
-            gm_clock_now.store(gm_mono_ns(), std::memory_order_relaxed);
-            sigfillset(&all);               /* signals go to the application's threads */
-            pthread_sigmask(SIG_SETMASK, &all, &old);
-            pthread_attr_init(&attr);
-            pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-            pthread_attr_setstacksize(&attr, 64 * 1024);
-            rc = pthread_create(&th, &attr, gm_clock_tick, NULL);
-            pthread_attr_destroy(&attr);
-            pthread_sigmask(SIG_SETMASK, &old, NULL);
-            if (rc != 0) {                  /* no thread: every event reads the clock */
-                gm_clock_now.store(0, std::memory_order_relaxed);
-                gm_clock_no_thread.store(1, std::memory_order_relaxed);
-                gm_clock_running.store(0, std::memory_order_relaxed);
+                && !gm_clock_running.load(std::memory_order_acquire)
+                && pthread_mutex_trylock(&gm_clock_mu) == 0) {
+            if (!gm_clock_running.load(std::memory_order_acquire)) {
+                pthread_attr_t attr;
+                sigset_t all, old;
+                int rc;
+                gm_clock_reap_locked();     /* a ticker that stopped when idle */
+                if (!gm_clock_atfork) {
+                    gm_clock_atfork = 1;
+                    pthread_atfork(gm_clock_before_fork, gm_clock_after_fork_parent,
+                                   gm_clock_after_fork_child);
+                }
+                /* publish a reading before the ticker exists: its samples are all later, so
+                   a ring's events never go back in time across the start */
+                gm_clock_now.store(gm_mono_ns(), std::memory_order_relaxed);
+                gm_clock_running.store(1, std::memory_order_relaxed);
+                sigfillset(&all);           /* signals go to the application's threads */
+                pthread_sigmask(SIG_SETMASK, &all, &old);
+                pthread_attr_init(&attr);
+                pthread_attr_setstacksize(&attr, 64 * 1024);
+                rc = pthread_create(&gm_clock_thread, &attr, gm_clock_tick, NULL);
+                pthread_attr_destroy(&attr);
+                pthread_sigmask(SIG_SETMASK, &old, NULL);
+                if (rc == 0) {
+                    gm_clock_joinable = 1;
+                } else {                    /* no thread: every event reads the clock */
+                    gm_clock_now.store(0, std::memory_order_relaxed);
+                    gm_clock_no_thread.store(1, std::memory_order_relaxed);
+                    gm_clock_running.store(0, std::memory_order_relaxed);
+                }
             }
+            pthread_mutex_unlock(&gm_clock_mu);
         }
         unsigned long long t = gm_clock_now.load(std::memory_order_relaxed);
         return t ? t : gm_mono_ns();
@@ -107,7 +146,7 @@ cdef extern from *:
         return t;
     }
 
-    static inline int gm_clock_ticking(void) {   /* a ticker runs or is starting */
+    static inline int gm_clock_ticking(void) {   /* a ticker runs */
         return gm_clock_running.load(std::memory_order_acquire);
     }
     """
