@@ -2,7 +2,8 @@
 
 **Always on** (issue 12): every CachingPool keeps its newest alloc/free events in C rings
 (``history_events``, 100,000 by default: 4 MiB; ``pool.set_history(0)`` turns it off). Recording
-costs two coarse-clock reads and two 32-byte stores per alloc/free pair, with no Python
+costs two loads of the history clock (a C ticker thread stores CLOCK_MONOTONIC about every ms:
+``gpumem/_core/_pool_clock.pxd``) and two 32-byte events per alloc/free pair, with no Python
 involved. :func:`pool_trace` turns those rings into a :class:`gpumem.trace.TraceData`; every
 :class:`gpumem.OutOfMemoryError` raised by a manager carries the last :data:`OOM_HISTORY_EVENTS`
 as ``err.history``; and with :func:`dump_on_oom` (or ``GPUMEM_DUMP_ON_OOM=DIR``) each OOM also
@@ -28,7 +29,7 @@ recorder to stop), the manager keeps tags of tagged buffers and the addresses of
 a C log, and tells it of CPU-fallback buffers.
 
 Each event is ``(t_ns, op, id, size, stream, tag, location, ptr)`` with ``t_ns`` from the pool's
-coarse clock relative to the recorder's start, ``op`` ``"a"``/``"f"``, ``id`` the buffer's id,
+history clock (``time.monotonic_ns()``'s, to ~1 ms) relative to the recorder's start, ``op`` ``"a"``/``"f"``, ``id`` the buffer's id,
 ``size`` its requested bytes and ``ptr`` its address (allocations only; 0 on a free, which pairs
 with its allocation by ``id``; :func:`gpumem.export_memory_viz` uses it). The newest
 ``max_entries`` events are kept; ``dropped`` counts those pushed out. A free waiting for other
@@ -103,15 +104,9 @@ def pool_trace(pool: Any, *, last: int | None = None, until_ns: int | None = Non
                      extra={"stream": [str(x) for x in h["stream"][keep].tolist()]})
 
 
-def _clock_ns() -> int | None:
-    """Now on the rings' clock (CLOCK_MONOTONIC_COARSE, Linux), or None where it is unknown."""
-    try:
-        return time.clock_gettime_ns(_CLOCK_MONOTONIC_COARSE)
-    except (AttributeError, OSError):
-        return None
-
-
-_CLOCK_MONOTONIC_COARSE = 6           # <time.h> on Linux; Python's time module has no name for it
+def _clock_ns() -> int:
+    """Now on the rings' clock: CLOCK_MONOTONIC (the ticker of _pool_clock.pxd samples it)."""
+    return time.monotonic_ns()
 
 
 def _history_until_now(manager: Any) -> Any:
@@ -200,12 +195,6 @@ def _event_count(pool: Any) -> int:
     return c["num_allocs"] + c["num_frees"]
 
 
-def _coarse_ns() -> int:
-    """The clock of the pool's history (CLOCK_MONOTONIC_COARSE where there is one)."""
-    clock = getattr(time, "CLOCK_MONOTONIC_COARSE", time.CLOCK_MONOTONIC)
-    return time.clock_gettime_ns(clock)
-
-
 class HistoryRecorder:
     """The alloc/free events of a manager from a point on, read from the pool's C history.
 
@@ -248,7 +237,7 @@ class HistoryRecorder:
         """Record from now on."""
         start = _event_count(self.manager.pool)
         with self._lock:
-            self._start, self._t0 = start, _coarse_ns()
+            self._start, self._t0 = start, _clock_ns()
             self._fallback.clear()
             self._fallback_noted = 0
 
@@ -257,7 +246,7 @@ class HistoryRecorder:
         mgr = self.manager
         position = _event_count(mgr.pool) if mgr is not None else 0
         with self._lock:
-            ev = (max(0, _coarse_ns() - self._t0), op, buf.id, buf.nbytes, buf.stream, buf.tag,
+            ev = (max(0, _clock_ns() - self._t0), op, buf.id, buf.nbytes, buf.stream, buf.tag,
                   "cpu", buf.ptr if op == "a" else 0)
             self._fallback.append((position, ev))
             self._fallback_noted += 1

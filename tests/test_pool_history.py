@@ -95,7 +95,7 @@ def test_oom_history_is_built_on_first_access_and_stops_at_the_error(monkeypatch
         with pytest.raises(OutOfMemoryError):
             mm.malloc(8 * MiB)
     assert built == []
-    time.sleep(0.05)                              # past the coarse clock's tick (1-4 ms)
+    time.sleep(0.05)                              # past the history clock's tick (~1 ms)
     held.pop().free()
     held.append(mm.malloc(3 * MiB))               # after the error: not in its history
     tr = err.history

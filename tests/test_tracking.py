@@ -63,11 +63,11 @@ def test_count_total_live_and_metadata():
 
 def test_find_old_allocations(monkeypatch):
     """real (sim): a buffer's creation time is its allocation event in the pool's C history
-    (CLOCK_MONOTONIC_COARSE, on time.monotonic()'s scale); the tracker's "now" is then faked
+    (the history clock: CLOCK_MONOTONIC sampled every ~1 ms, time.monotonic()'s scale); the tracker's "now" is then faked
     so that the ages are large and exact."""
     mm = _manager()
     old = mm.malloc(1024, tag="old")
-    time.sleep(0.05)                        # more than a coarse clock tick (1-4 ms)
+    time.sleep(0.05)                        # more than a history clock tick (~1 ms)
     new = mm.malloc(1024, tag="new")
     t_old = mm.tracker.get(old.id).created_at
     t_new = mm.tracker.get(new.id).created_at

@@ -13,7 +13,8 @@ from libcpp.atomic cimport memory_order_relaxed
 from gpumem._core.pool_layout cimport (
     GM_NSHARDS, GM_FRONT_BINS, GM_FRONT_DEPTH, GM_FRONT_BYTES, gm_block, gm_front_bin, gm_pool,
     gm_shard)
-from gpumem._core._pool_inline cimport _record, _ring_init, _round_size, gm_add, gm_sub
+from gpumem._core._pool_inline cimport _ring_init, _round_size, gm_add, gm_sub
+from gpumem._core._pool_clock cimport _record
 
 cdef extern from *:
     """

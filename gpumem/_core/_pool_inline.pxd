@@ -18,7 +18,6 @@ cdef extern from "<stdlib.h>" nogil:
 cdef extern from *:
     """
     #include <sched.h>
-    #include <time.h>
     #include <atomic>
     static inline int gm_clz64(unsigned long long x) { return __builtin_clzll(x); }
     static inline int gm_ctz64(unsigned long long x) { return __builtin_ctzll(x); }
@@ -31,13 +30,7 @@ cdef extern from *:
     template <typename A, typename V> static inline void gm_max(A &c, V v) {
         if (c.load(std::memory_order_relaxed) < v) c.store(v, std::memory_order_relaxed);
     }
-    static inline unsigned long long gm_coarse_ns(void) {
-        struct timespec ts;
-        clock_gettime(CLOCK_MONOTONIC_COARSE, &ts);
-        return (unsigned long long)ts.tv_sec * 1000000000ULL + (unsigned long long)ts.tv_nsec;
-    }
     """
-    unsigned long long gm_coarse_ns() nogil
     int gm_clz64(unsigned long long x) nogil
     int gm_ctz64(unsigned long long x) nogil
     void gm_add(atomic[size_t]& c, size_t v) nogil
@@ -107,19 +100,7 @@ cdef inline void _unlock_all(gm_pool* p) noexcept nogil:
 
 
 # ---------------------------------------------------------------------------------------------
-# history rings (gm_ring in pool.pxd): each is written under one lock, the one that guards it
-cdef inline void _record(gm_ring* r, uint64_t op, uint64_t id, size_t size,
-                         uint64_t stream) noexcept nogil:
-    cdef gm_event* e
-    if r.events == NULL:
-        return
-    e = &r.events[r.count & (r.capacity - 1)]
-    e.t_ns = gm_coarse_ns()
-    e.id = id
-    e.size_op = size | (op << 63)
-    e.stream = stream
-    r.count += 1
-
+# history rings (gm_ring in pool.pxd); the hot path's write, _record, is in _pool_clock.pxd
 cdef inline void _ring_init(gm_ring* r, size_t capacity) noexcept nogil:
     """Start recording into r with room for `capacity` events (a power of two; 0: off). The
     caller holds r's lock. Stays off when host memory runs out."""

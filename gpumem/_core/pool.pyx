@@ -34,6 +34,8 @@ but always frees to the pool, so Python-only use never fills one.
 
 History: alloc/free events go to C rings (gm_ring), the pool's under the pool lock and each front
 cache's under its own lock; ``history()`` copies them out under all locks and merges by time.
+An event's time is one load of the history clock, a ticker thread's CLOCK_MONOTONIC sample
+(_pool_clock.pxd: why, and its life cycle).
 
 Modules (one job each; what several of them need is ``cdef inline`` in the internal .pxd
 files, compiled into each module that uses it, so the hot path calls nothing through another
@@ -45,6 +47,7 @@ module):
 - _pool_inline.pxd: locks, size classes, heaps and best fit, block structs, stream slots,
   coalescing, history rings, segment lookup;
 - _pool_front.pxd: the per-thread front caches (cimported by this module only);
+- _pool_clock.pxd: the history clock and the ring write (cimported by this module only);
 - pool_segments.pyx: adopting, detaching, releasing and restoring segments, flushing the front
   caches, re-filing idle streams' blocks, freeing the pool's records;
 - pool_inspect.pyx: counters, the largest free block, the segment table, check_invariants;
@@ -63,9 +66,10 @@ from libcpp.atomic cimport memory_order_relaxed
 
 from gpumem._core._pool_inline cimport (
     aligned_alloc, gm_add, gm_sub, gm_max, _lock, _unlock, _lock_gil, _shard_lock,
-    _shard_lock_gil, _shard_unlock, _record, _ring_init, _class_of, _heap_insert, _heap_remove,
+    _shard_lock_gil, _shard_unlock, _ring_init, _class_of, _heap_insert, _heap_remove,
     _take_fit, _new_block, _drop_block, _slot, _register_stream, _coalesce_insert,
     _round_up, _round_size, _find_segment, _last_block, _lock_all_gil, _unlock_all)
+from gpumem._core._pool_clock cimport _record, gm_clock_ticking
 from gpumem._core._pool_front cimport _my_shard, _front_take, _front_put, _top_up_serials
 from gpumem._core cimport pool_history, pool_inspect, pool_pages, pool_segments
 
@@ -583,11 +587,17 @@ cdef class CachingPool:
         return self._p.history_capacity.load()
 
     def history(self, last=None) -> dict:
-        """The recorded events, oldest first, as numpy arrays ``t_ns`` (CLOCK_MONOTONIC_COARSE
-        nanoseconds), ``op`` (0 alloc, 1 free), ``id``, ``size`` (bytes requested), ``stream``;
+        """The recorded events, oldest first, as numpy arrays ``t_ns`` (CLOCK_MONOTONIC
+        nanoseconds, as ``time.monotonic_ns()``, to the history clock's ~1 ms tick), ``op`` (0 alloc, 1 free), ``id``, ``size`` (bytes requested), ``stream``;
         only the newest `last` if given. Events of different threads are ordered by time, each
         free after its allocation."""
         return pool_history.history(self._p, last)
+
+    @staticmethod
+    def history_clock_ticking() -> bool:
+        """Whether the history clock's ticker thread runs (process-wide; _pool_clock.pxd): it
+        starts with the first event and stops after about 2 s without one."""
+        return gm_clock_ticking() != 0
 
     # --- introspection ------------------------------------------------------------------------
     def segments(self) -> list:

@@ -3,7 +3,7 @@
 """The pool's allocation history: sizing the C rings (gm_ring in pool.pxd) and exporting them
 as numpy arrays, merged by time across the pool's ring and the front caches' rings.
 
-The hot path writes the rings itself (``_record`` in _pool_inline.pxd, under the lock that
+The hot path writes the rings itself (``_record`` in _pool_clock.pxd, under the lock that
 guards each ring); this module only (re)starts them and copies them out, under all the locks
 (``_lock_all_gil``: a GIL holder never spins), building the numpy arrays after unlocking.
 numpy is imported when a history is read, not at import. Shared state: only the pool's C
@@ -25,7 +25,7 @@ def _event_dtype():
 
 def _allocs_before_frees(ops, ids):
     """An order (index array) of the events with each free after its allocation. Events of two
-    rings with the same coarse time can sort a free before its allocation (a block allocated
+    rings with the same clock tick can sort a free before its allocation (a block allocated
     on one thread and freed on another within one clock tick): such a free moves to just after
     its allocation. Rare, so done in Python."""
     import numpy as np
@@ -83,8 +83,8 @@ cdef int set_history(gm_pool* p, events) except -1:
 
 
 cdef dict history(gm_pool* p, last):
-    """The recorded events, oldest first, as numpy arrays ``t_ns`` (CLOCK_MONOTONIC_COARSE
-    nanoseconds), ``op`` (0 alloc, 1 free), ``id``, ``size`` (bytes requested), ``stream``;
+    """The recorded events, oldest first, as numpy arrays ``t_ns`` (CLOCK_MONOTONIC
+    nanoseconds, to the history clock's tick: _pool_clock.pxd), ``op`` (0 alloc, 1 free), ``id``, ``size`` (bytes requested), ``stream``;
     only the newest `last` if given. Events of different threads are ordered by time, each
     free after its allocation."""
     cdef gm_ring* rings[GM_NSHARDS + 1]
@@ -120,6 +120,13 @@ cdef dict history(gm_pool* p, last):
             memcpy(&dst[0], buf, sizeof(gm_event) * total)
     finally:
         free(buf)
+    k = 0
+    for i in range(GM_NSHARDS + 1):
+        # a ring's events are in lock order; a ticker starting or stopping while another
+        # thread reads the clock itself can leave a time a few us behind the one before it
+        if counts[i] > 1:
+            np.maximum.accumulate(raw["t_ns"][k:k + counts[i]], out=raw["t_ns"][k:k + counts[i]])
+        k += counts[i]
     ring = np.repeat(np.arange(GM_NSHARDS + 1), [counts[i] for i in range(GM_NSHARDS + 1)])
     order = np.lexsort((np.arange(total), ring, raw["t_ns"]))   # by time, then ring order
     raw = raw[order]
