@@ -44,7 +44,7 @@ def pattern(n: int, seed: int) -> np.ndarray:
 
 
 def test_fallback_under_injected_faults_keeps_data_on_migrate():
-    dev, mm = sim()
+    dev, mm = sim(expandable_segments=False)  # plain segments: fail_after faults alloc_segment
     dev.inject(fail_after=0)
     fb = mm.malloc(3 * MiB + 123, tag="kv")
     assert isinstance(fb, FallbackBuffer)
@@ -197,7 +197,8 @@ def test_dropped_fallback_buffer_is_accounted():
 
 
 def test_many_fallbacks_under_random_faults_keep_their_data():
-    dev, mm = sim(1024 * MiB, seed=3)
+    # plain segments: fail_rate faults alloc_segment
+    dev, mm = sim(1024 * MiB, seed=3, expandable_segments=False)
     dev.inject(fail_rate=0.6)
     bufs = [mm.malloc(12 * MiB + i * 4096) for i in range(24)]
     datas = []
