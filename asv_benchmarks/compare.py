@@ -374,18 +374,25 @@ def run_sim(timer: Timer, args) -> dict:
     # --- Python level ------------------------------------------------------------------------
     from gpumem import MemoryConfig
     dev = sim_device_string()
-    peers = [GpumemPeer(dev, config=MemoryConfig(track_allocations=False)),
-             GpumemPeer(dev, name="gpumem, history off",
-                        config=MemoryConfig(track_allocations=False), history=False)]
-    track = GpumemPeer(dev, name="gpumem tracking on",
-                       config=MemoryConfig(track_allocations=True))
+    # GPUMEM_EXPANDABLE_SEGMENTS=1 measures every manager below with expandable segments on
+    # (the configs are explicit, so the variable is read here: issue 11's hit-path comparison)
+    expandable = MemoryConfig.from_env().expandable_segments
+
+    def config(track: bool = False) -> MemoryConfig:
+        return MemoryConfig(track_allocations=track, expandable_segments=expandable)
+
+    summary["expandable_segments"] = expandable
+    NOTES.append(f"expandable segments {'on' if expandable else 'off'} in every gpumem row "
+                 f"(GPUMEM_EXPANDABLE_SEGMENTS)")
+    peers = [GpumemPeer(dev, config=config()),
+             GpumemPeer(dev, name="gpumem, history off", config=config(), history=False)]
+    track = GpumemPeer(dev, name="gpumem tracking on", config=config(track=True))
     try:
         track.open()
         peers.append(track)
     except Skip as exc:
         skipped("(all)", track.name, str(exc))
-    peers.append(GpumemPeer(dev, name="gpumem record_history()",
-                            config=MemoryConfig(track_allocations=False), record=True))
+    peers.append(GpumemPeer(dev, name="gpumem record_history()", config=config(), record=True))
     bench_hit_pairs(timer, peers, sizes=(512, 4 * KiB, 1 * MiB, 8 * MiB),
                     floor_manager=None if cb is None else cb.FloorManager())
     bench_mixed(timer, peers, live=args.live or 10_000)

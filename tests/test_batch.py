@@ -249,7 +249,8 @@ def test_allocate_batch_too_big_fails_and_changes_nothing():
 
 
 def test_allocate_batch_driver_failure_midway_is_undone():
-    dev, mm = sim(1000 * MiB)
+    # plain segments: fail_after faults alloc_segment
+    dev, mm = sim(1000 * MiB, expandable_segments=False)
     keep = mm.malloc(100 * MiB)
     before = state(mm), dev.live_bytes
     dev.inject(fail_after=1)               # the small-pool segment is granted, the large refused
@@ -264,7 +265,8 @@ def test_allocate_batch_driver_failure_midway_is_undone():
 
 
 def test_allocate_batch_respects_limits_before_the_driver():
-    dev, mm = sim(1000 * MiB, gpu_memory_fraction=0.5)
+    # plain segments: the driver-call sequence
+    dev, mm = sim(1000 * MiB, gpu_memory_fraction=0.5, expandable_segments=False)
     with pytest.raises(OutOfMemoryError):
         mm.allocate_batch([300 * MiB, 300 * MiB])       # 600 > 500 usable
     # the combined 600 MiB segment is refused without asking the driver; one by one, the
@@ -285,7 +287,7 @@ def test_allocate_batch_min_free_bytes():
 def test_allocate_batch_falls_back_to_one_by_one_when_combined_segment_refused():
     """The combined segment does not fit in the fragmented driver address space, but the
     requests fit one by one."""
-    dev, mm = sim(1000 * MiB)
+    dev, mm = sim(1000 * MiB, expandable_segments=False)  # plain segments: one segment per request
     held = [mm.malloc(100 * MiB) for _ in range(10)]
     held[1].free()
     held[5].free()
@@ -305,7 +307,8 @@ def test_allocate_batch_with_cpu_fallback():
 
 
 def test_allocate_batch_max_split_size_groups():
-    dev, mm = sim(1000 * MiB, max_split_size=8 * MiB)
+    # plain segments: expandable ignores max_split_size
+    dev, mm = sim(1000 * MiB, max_split_size=8 * MiB, expandable_segments=False)
     sizes = [3 * MiB] * 5 + [10 * MiB]
     bufs = mm.allocate_batch(sizes)
     assert [b.nbytes for b in bufs] == sizes

@@ -174,7 +174,8 @@ def test_option_is_off_by_default_read_from_env_and_ignored_without_vm(monkeypat
 
 
 def test_oom_message_suggests_the_option_when_fragmentation_is_the_cause():
-    dev, mm = sim_manager("128MiB", release_before_grow=False)
+    # plain segments: the message for the option off
+    dev, mm = sim_manager("128MiB", release_before_grow=False, expandable_segments=False)
     keep = [mm.malloc(30 * MiB) for _ in range(4)]
     keep[0].free()
     keep[2].free()                                 # 60 MiB cached, in two 30 MiB pieces

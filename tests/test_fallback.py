@@ -44,7 +44,7 @@ def pattern(n: int, seed: int) -> np.ndarray:
 
 
 def test_fallback_under_injected_faults_keeps_data_on_migrate():
-    dev, mm = sim()
+    dev, mm = sim(expandable_segments=False)  # plain segments: fail_after faults alloc_segment
     dev.inject(fail_after=0)
     fb = mm.malloc(3 * MiB + 123, tag="kv")
     assert isinstance(fb, FallbackBuffer)
@@ -196,9 +196,16 @@ def test_dropped_fallback_buffer_is_accounted():
     assert mm.stats().fallback_bytes == 0 and mm.stats().active_buffers == 0
 
 
-def test_many_fallbacks_under_random_faults_keep_their_data():
-    dev, mm = sim(1024 * MiB, seed=3)
-    dev.inject(fail_rate=0.6)
+@pytest.mark.parametrize("expandable", [False, True], ids=["plain", "expandable"])
+def test_many_fallbacks_under_random_faults_keep_their_data(expandable):
+    """Random driver refusals (of new segments, or with expandable segments of new pages):
+    every request is served, on the device or the CPU, keeps its bytes and moves back once
+    the faults stop (level real: sim with host-backed memory)."""
+    dev, mm = sim(1024 * MiB, seed=3, expandable_segments=expandable)
+    if expandable:
+        dev.inject_vm(create_rate=0.6)
+    else:
+        dev.inject(fail_rate=0.6)
     bufs = [mm.malloc(12 * MiB + i * 4096) for i in range(24)]
     datas = []
     for i, b in enumerate(bufs):
@@ -209,6 +216,7 @@ def test_many_fallbacks_under_random_faults_keep_their_data():
     assert fallbacks and len(fallbacks) < len(bufs)
     assert mm.stats().cpu_fallbacks == len(fallbacks)
     dev.clear_faults()
+    dev.inject_vm(create_rate=0.0)
     moved = [b.migrate_to_device() if isinstance(b, FallbackBuffer) else b for b in bufs]
     for b, d in zip(moved, datas):
         assert type(b) is Buffer

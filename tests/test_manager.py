@@ -26,7 +26,8 @@ def freed_sizes(dev) -> list[int]:
 
 
 # --- empty_cache and shrink ---------------------------------------------------------------------
-def test_empty_cache_returns_exact_bytes_to_the_device(manager):
+def test_empty_cache_returns_exact_bytes_to_the_device(make_manager):
+    manager = make_manager(expandable_segments=False)  # plain segments: whole-segment release
     dev = manager.device
     keep = manager.malloc(4096)                          # keeps one small segment busy
     gone = [manager.malloc(n) for n in (MiB + 512, 25 * MiB, 40 * MiB)]
@@ -55,7 +56,8 @@ def test_empty_cache_returns_exact_bytes_to_the_device(manager):
     check(manager, [])
 
 
-def test_empty_cache_synchronizes_before_freeing(manager):
+def test_empty_cache_synchronizes_before_freeing(make_manager):
+    manager = make_manager(expandable_segments=False)  # plain segments: whole-segment release
     dev = manager.device
     s = dev.create_stream()
     manager.malloc(12 * MiB, stream=s).free()
@@ -67,7 +69,8 @@ def test_empty_cache_synchronizes_before_freeing(manager):
     assert dev.stream_idle(s)
 
 
-def test_shrink_to_target(manager):
+def test_shrink_to_target(make_manager):
+    manager = make_manager(expandable_segments=False)  # plain segments: whole-segment release
     dev = manager.device
     bufs = [manager.malloc(n) for n in (12 * MiB, 14 * MiB, 16 * MiB)]
     for b in bufs:
@@ -106,7 +109,8 @@ def test_shrink_rejects_bad_targets(manager, bad):
 # --- max_pool_size and max_pooled_per_bucket --------------------------------------------------------
 def test_max_pool_size_caps_cached_bytes_after_every_free(make_manager):
     cap = 30 * MiB
-    mm = make_manager(max_pool_size=cap)
+    # plain segments: freed blocks inside one segment stay
+    mm = make_manager(max_pool_size=cap, expandable_segments=False)
     bufs = [mm.malloc(12 * MiB) for _ in range(6)]
     random.Random(1).shuffle(bufs)
     while bufs:
@@ -179,7 +183,8 @@ def test_free_above_the_cap_does_not_synchronize_when_nothing_is_releasable(make
 
 
 def test_max_pooled_per_bucket_limits_free_segments_of_one_size(make_manager):
-    mm = make_manager(max_pooled_per_bucket=2, release_before_grow=False)
+    # plain segments: segments per size
+    mm = make_manager(max_pooled_per_bucket=2, release_before_grow=False, expandable_segments=False)
     dev = mm.device
     bufs = [mm.malloc(12 * MiB) for _ in range(5)]
     for b in bufs:
@@ -201,7 +206,8 @@ def test_max_pooled_per_bucket_limits_free_segments_of_one_size(make_manager):
 
 
 def test_release_before_grow_returns_idle_segments(make_manager):
-    mm = make_manager()                                  # release_before_grow=True (default)
+    # plain segments: whole-segment release; release_before_grow=True (default)
+    mm = make_manager(expandable_segments=False)
     dev = mm.device
     idle = [mm.malloc(12 * MiB), mm.malloc(12 * MiB)]
     for x in idle:
@@ -215,7 +221,8 @@ def test_release_before_grow_returns_idle_segments(make_manager):
 def test_small_pool_growth_keeps_surplus_large_segments(make_manager):
     """max_pooled_per_bucket is enforced when the large pool grows; a small-pool growth does
     not release the surplus (a warm training step would allocate it again: driver churn)."""
-    mm = make_manager(max_pooled_per_bucket=2, release_before_grow=False)
+    # plain segments: segments per size
+    mm = make_manager(max_pooled_per_bucket=2, release_before_grow=False, expandable_segments=False)
     for b in [mm.malloc(12 * MiB) for _ in range(5)]:
         b.free()
     small = mm.malloc(4096)                              # a new small segment
@@ -353,7 +360,8 @@ def test_manager_as_context_manager_closes(sim_device):
 
 
 # --- close ----------------------------------------------------------------------------------------
-def test_close_frees_every_segment_and_disables_the_manager(manager):
+def test_close_frees_every_segment_and_disables_the_manager(make_manager):
+    manager = make_manager(expandable_segments=False)  # plain segments: one segment per request
     dev = manager.device
     live = [manager.malloc(n) for n in (100, MiB + 3, 25 * MiB)]
     manager.malloc(40 * MiB).free()
@@ -429,7 +437,8 @@ def test_request_above_usable_memory_fails_without_driver_call(sim_device, make_
 
 def test_min_free_bytes_is_enforced_before_the_driver_is_asked(sim_device, make_manager):
     dev = sim_device("1GiB", other_process_bytes="900MiB")       # 124 MiB free
-    mm = make_manager(min_free_bytes=64 * MiB)
+    # plain segments: counts alloc_segment calls
+    mm = make_manager(min_free_bytes=64 * MiB, expandable_segments=False)
     with pytest.raises(OutOfMemoryError):
         mm.malloc(100 * MiB)                             # would leave 24 MiB free
     assert dev.alloc_calls == 0
@@ -477,20 +486,31 @@ def test_oom_ladder_releases_the_cache_and_retries(sim_device, make_manager):
     check(mm, [b])
 
 
-def test_driver_refusal_releases_cache_then_retries(sim_device, make_manager):
+@pytest.mark.parametrize("expandable", [False, True], ids=["plain", "expandable"])
+def test_driver_refusal_releases_cache_then_retries(sim_device, make_manager, expandable):
+    """A refused growth gives the cache back and retries; a refused retry is an OOM that
+    leaves nothing reserved. Plain segments are refused by alloc_segment, expandable ones by
+    page creation (sim's inject_vm), whose retry follows the unmapping of the cached tail
+    (level real)."""
     dev = sim_device("1GiB")
-    mm = make_manager(release_before_grow=False)
+    mm = make_manager(release_before_grow=False, expandable_segments=expandable)
     mm.malloc(12 * MiB).free()
-    dev.inject(fail_after=0)                             # the next allocation is refused
+    grow, give_back = ("vm_create", "vm_unmap") if expandable else ("alloc", "free")
+    if expandable:
+        dev.inject_vm(create_after=0)                    # the next page is refused
+    else:
+        dev.inject(fail_after=0)                         # the next allocation is refused
     dev.clear_calls()
     with pytest.raises(OutOfMemoryError):
         mm.malloc(30 * MiB)
     ops = [(c.op, c.outcome) for c in dev.calls]
-    assert ops[0] == ("alloc", "injected_oom")
-    assert ("free", "ok") in ops                         # the cache was given back to retry
-    assert ops[-1] == ("alloc", "injected_oom")
+    tries = [i for i, op in enumerate(ops) if op[0] == grow]
+    assert ops[0] == (grow, "injected_oom")
+    assert [ops[i] for i in tries] == [(grow, "injected_oom")] * 2
+    assert (give_back, "ok") in ops[tries[0]:tries[1]]   # the cache was given back to retry
     assert mm.stats().total_allocated_bytes == 0
     dev.clear_faults()
+    dev.inject_vm(create_after=None)
     b = mm.malloc(30 * MiB)
     check(mm, [b])
 
@@ -546,7 +566,7 @@ def test_non_oom_driver_error_is_not_mistaken_for_pressure(sim_device, make_mana
 
 def test_refused_free_keeps_the_segment_cached(sim_device, make_manager):
     dev = sim_device("1GiB", fail_free=1)
-    mm = make_manager()
+    mm = make_manager(expandable_segments=False)  # plain segments: fail_free faults free_segment
     mm.malloc(12 * MiB).free()
     with pytest.warns(RuntimeWarning):
         assert mm.empty_cache() == 0

@@ -69,7 +69,7 @@ def test_cache_is_best_fit():
 
 # --- rung 2/3: new segment, then release the cache and retry --------------------------------------
 def test_limit_refusal_then_release_cached_then_grow():
-    dev, mm = make()
+    dev, mm = make(expandable_segments=False)  # plain segments: the driver-call sequence
     held = [mm.malloc(100 * MiB) for _ in range(9)]
     held.pop().free()
     held.pop().free()                         # 700 MiB in use, 200 MiB cached in 2 segments
@@ -86,7 +86,7 @@ def test_limit_refusal_then_release_cached_then_grow():
 def test_driver_refusal_then_release_cached_then_grow():
     """The driver's address space is fragmented: a new segment is refused although enough bytes
     are free; giving back a cached segment next to the holes makes room."""
-    dev, mm = make()
+    dev, mm = make(expandable_segments=False)  # plain segments: the driver-call sequence
     held = [mm.malloc(100 * MiB) for _ in range(10)]    # the whole device, in address order
     held[2].free()
     held[4].free()
@@ -100,7 +100,7 @@ def test_driver_refusal_then_release_cached_then_grow():
 
 
 def test_full_segment_not_allowed_falls_back_to_exact_size():
-    dev, mm = make()
+    dev, mm = make(expandable_segments=False)  # plain segments: the driver-call sequence
     held = [mm.malloc(100 * MiB) for _ in range(9)]
     held.append(mm.malloc(95 * MiB))                    # 5 MiB of usable memory left
     start = len(dev.calls)
@@ -111,7 +111,7 @@ def test_full_segment_not_allowed_falls_back_to_exact_size():
 
 # --- rung 4: OOM callbacks ------------------------------------------------------------------------
 def test_callbacks_come_after_cache_release_and_may_free():
-    dev, mm = make()
+    dev, mm = make(expandable_segments=False)  # plain segments: the driver-call sequence
     held = [mm.malloc(100 * MiB) for _ in range(9)]
     held.pop().free()                                   # 800 in use, 100 cached
     timeline: list = []
@@ -183,7 +183,7 @@ def test_cpu_fallback_comes_after_callbacks():
 
 # --- the end of the ladder: OutOfMemoryError ------------------------------------------------------
 def test_oom_error_carries_the_state():
-    dev, mm = make()
+    dev, mm = make(expandable_segments=False)  # plain segments: exact segment sizes
     held = [mm.malloc(100 * MiB) for _ in range(8)]
     part = mm.malloc(2 * MiB)                          # 20 MiB segment, 18 MiB free in it
     with pytest.raises(OutOfMemoryError) as info:
@@ -222,7 +222,7 @@ def test_failed_malloc_leaves_every_counter_but_num_ooms():
 
 
 def test_injected_driver_oom_counts_and_leaves_state():
-    dev, mm = make()
+    dev, mm = make(expandable_segments=False)      # plain segments: fail_after faults alloc_segment
     keep = mm.malloc(100 * MiB)
     before = counters(mm)
     dev.inject(fail_after=0)
@@ -238,9 +238,49 @@ def test_injected_driver_oom_counts_and_leaves_state():
     assert mm.malloc(100 * MiB).alive and keep.alive
 
 
-def test_non_oom_driver_error_is_not_memory_pressure():
-    dev, mm = make(cpu_fallback_enabled=True)
-    dev.inject(fail_after=0, fail_kind="error")
+def test_injected_page_oom_counts_and_leaves_state():
+    """The same with expandable segments, whose growth creates pages (``inject_vm``) instead of
+    segments: a refused page is one try, rolled back, and the manager's counters and the
+    device's mappings are as before (level real: the Cython pool on sim)."""
+    dev, mm = make(expandable_segments=True)
+    keep = mm.malloc(100 * MiB)
+    before, mapped = counters(mm), dev.mapped_bytes
+    creates = dev.vm_calls["create"]
+    dev.inject_vm(create_after=0)
+    with pytest.raises(OutOfMemoryError):
+        mm.malloc(100 * MiB)
+    assert dev.vm_calls["create"] == creates + 1       # one try: no cache to release
+    mm.on_oom(lambda m, n: None)
+    with pytest.raises(OutOfMemoryError):
+        mm.malloc(100 * MiB)
+    assert dev.vm_calls["create"] == creates + 3       # grow, then grow again after callbacks
+    assert counters(mm) == before and mm.stats().num_ooms == 2
+    assert dev.mapped_bytes == mapped and dev.live_mappings == dev.live_page_handles
+    dev.inject_vm(create_after=None)
+    assert mm.malloc(100 * MiB).alive and keep.alive
+
+
+def _fail_next_growth_with_an_error(dev: SimDevice, expandable: bool) -> None:
+    """A plain DriverError (not out-of-memory) on the next growth: from alloc_segment for plain
+    segments, from vm_map for expandable ones."""
+    if expandable:
+        dev.inject(fail_kind="error")
+        dev.inject_vm(map_after=0)
+    else:
+        dev.inject(fail_after=0, fail_kind="error")
+
+
+@pytest.mark.parametrize("expandable, first", [(False, True), (True, True), (True, False)],
+                         ids=["plain", "expandable-new-segment", "expandable-grown-segment"])
+def test_non_oom_driver_error_is_not_memory_pressure(expandable, first):
+    """A driver error that is not an out-of-memory propagates at once: no OOM callback, no CPU
+    fallback, no OOM counted, and the manager's counters as before; with expandable segments
+    both for a stream's first segment and for the growth of an existing one (level real)."""
+    dev, mm = make(cpu_fallback_enabled=True, expandable_segments=expandable)
+    if not first:
+        mm.malloc(10 * MiB)                            # the stream's segment exists
+    mapped = dev.mapped_bytes
+    _fail_next_growth_with_an_error(dev, expandable)
     called = []
     mm.on_oom(lambda m, n: called.append(n))
     before = counters(mm)
@@ -250,10 +290,12 @@ def test_non_oom_driver_error_is_not_memory_pressure():
     assert called == []
     assert counters(mm) == before and mm.stats().num_ooms == 0
     assert mm.stats().cpu_fallbacks == 0
+    assert dev.mapped_bytes == mapped and dev.live_mappings == dev.live_page_handles
 
 
 def test_fail_rate_is_survived_by_the_ladder_with_fallback():
-    dev, mm = make(cpu_fallback_enabled=True, device=SimDevice(1000 * MiB, seed=11))
+    # plain segments: fail_rate faults alloc_segment
+    dev, mm = make(cpu_fallback_enabled=True, device=SimDevice(1000 * MiB, seed=11), expandable_segments=False)
     dev.inject(fail_rate=0.5)
     bufs = [mm.malloc(30 * MiB) for _ in range(20)]
     on_cpu = sum(isinstance(b, FallbackBuffer) for b in bufs)
@@ -269,7 +311,8 @@ def test_fail_rate_is_survived_by_the_ladder_with_fallback():
 
 # --- limits are checked before the driver is asked ------------------------------------------------
 def test_min_free_bytes_enforced_without_driver_call():
-    dev, mm = make(min_free_bytes=300 * MiB)
+    # plain segments: counts alloc_segment calls
+    dev, mm = make(min_free_bytes=300 * MiB, expandable_segments=False)
     start = len(dev.calls)
     with pytest.raises(OutOfMemoryError):
         mm.malloc(800 * MiB)                           # would leave 200 MiB free
@@ -283,7 +326,8 @@ def test_min_free_bytes_enforced_without_driver_call():
 
 def test_min_free_bytes_counts_other_processes():
     dev, mm = make(min_free_bytes=100 * MiB, device=SimDevice(1000 * MiB,
-                                                              other_process_bytes=400 * MiB))
+                                                              other_process_bytes=400 * MiB),
+                   expandable_segments=False)          # plain segments: counts alloc_segment calls
     with pytest.raises(OutOfMemoryError):
         mm.malloc(550 * MiB)                           # 600 free - 550 < 100
     assert dev.alloc_calls == 0
@@ -292,7 +336,8 @@ def test_min_free_bytes_counts_other_processes():
 
 
 def test_gpu_memory_fraction_enforced_without_driver_call():
-    dev, mm = make(gpu_memory_fraction=0.5)
+    # plain segments: counts alloc_segment calls
+    dev, mm = make(gpu_memory_fraction=0.5, expandable_segments=False)
     assert mm.usable_memory == 500 * MiB
     held = [mm.malloc(100 * MiB) for _ in range(5)]
     with pytest.raises(OutOfMemoryError) as info:

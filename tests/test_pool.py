@@ -91,7 +91,8 @@ def test_small_requests_share_2mib_segments(manager):
 
 
 @pytest.mark.parametrize("n", [MiB + 1, 2 * MiB, 3 * MiB, 4 * MiB + 7, 5 * MiB, 10 * MiB - 512])
-def test_medium_requests_get_about_20mib_holding_whole_blocks(manager, n):
+def test_medium_requests_get_about_20mib_holding_whole_blocks(make_manager, n):
+    manager = make_manager(expandable_segments=False)  # plain segments: exact segment sizes
     rounded = manager.pool.round_size(n)
     seg_size = manager.pool.segment_size(n)
     assert seg_size % rounded == 0
@@ -109,7 +110,8 @@ def test_medium_requests_get_about_20mib_holding_whole_blocks(manager, n):
 
 
 @pytest.mark.parametrize("n", [10 * MiB, 10 * MiB + 1, 12 * MiB + 3, 40 * MiB])
-def test_large_requests_get_their_own_segment(manager, n):
+def test_large_requests_get_their_own_segment(make_manager, n):
+    manager = make_manager(expandable_segments=False)  # plain segments: exact segment sizes
     buf = manager.malloc(n)
     seg = seg_of(manager, buf)
     assert seg["size"] == manager.pool.round_size(n)   # default large_round is 512: exact
@@ -220,8 +222,10 @@ def test_large_block_split_keeps_remainder(manager):
     check(manager, [part, rest])
 
 
-def test_small_remainder_of_large_block_is_not_split_off(manager):
+def test_small_remainder_of_large_block_is_not_split_off(make_manager):
     """A large block is split only when the remainder is at least large_split_min (1 MiB)."""
+    # plain segments: expandable splits down to 64 KiB
+    manager = make_manager(expandable_segments=False)
     big = manager.malloc(12 * MiB)
     h = seg_of(manager, big)["handle"]
     big.free()
@@ -234,7 +238,8 @@ def test_small_remainder_of_large_block_is_not_split_off(manager):
 
 # --- max_split_size ----------------------------------------------------------------------------------
 def test_max_split_size_keeps_oversize_blocks_whole(make_manager):
-    mm = make_manager(max_split_size=32 * MiB, release_before_grow=False)
+    # plain segments: expandable ignores max_split_size
+    mm = make_manager(max_split_size=32 * MiB, release_before_grow=False, expandable_segments=False)
     big = mm.malloc(40 * MiB)
     h = seg_of(mm, big)["handle"]
     big.free()
@@ -252,7 +257,8 @@ def test_max_split_size_keeps_oversize_blocks_whole(make_manager):
 
 def test_max_split_size_oversize_block_not_taken_beyond_slack(make_manager):
     mm = make_manager(max_split_size=32 * MiB, oversize_slack=4 * MiB,
-                      release_before_grow=False)
+                      release_before_grow=False,
+                      expandable_segments=False)  # plain segments: expandable ignores max_split_size
     big = mm.malloc(60 * MiB)
     h = seg_of(mm, big)["handle"]
     big.free()
@@ -423,11 +429,13 @@ def test_close_with_pending_frees_releases_their_events(manager):
     assert dev.live_events == 0 and dev.live_segments == 0
 
 
-def test_idle_segment_split_between_streams_does_not_double_reserved(manager):
+def test_idle_segment_split_between_streams_does_not_double_reserved(make_manager):
     """S's 20 MiB segment lends a block to T; once both blocks are freed (and no work is
     pending) the segment is entirely free, in three pieces filed under two streams. A 20 MiB
     request must then not leave 40 MiB reserved: the pieces should be merged, or the idle
     segment released before growing (as release_before_grow does for single-piece segments)."""
+    # plain segments: a segment lent across streams
+    manager = make_manager(expandable_segments=False)
     dev = manager.device
     s, t = dev.create_stream(), dev.create_stream()
     x = manager.malloc(4 * MiB, stream=s)              # 20 MiB segment, 16 MiB cached on s

@@ -168,7 +168,8 @@ def test_crossings_on_backend(device: str):
 
 # --- automatic responses ----------------------------------------------------------------------
 def test_high_trims_cache_to_high_cache_fraction():
-    dev, mm = sim_manager(1000 * MiB, auto_release_at_high=True, high_cache_fraction=0.1)
+    # plain segments: whole-segment release
+    dev, mm = sim_manager(1000 * MiB, auto_release_at_high=True, high_cache_fraction=0.1, expandable_segments=False)
     rec = Recorder()
     mm.on_pressure(rec)
     bufs = [mm.malloc(100 * MiB) for _ in range(7)]   # 70 %: MEDIUM
@@ -188,7 +189,8 @@ def test_high_trims_cache_to_high_cache_fraction():
 
 
 def test_high_response_off_keeps_cache():
-    _, mm = sim_manager(1000 * MiB, auto_release_at_high=False)
+    # plain segments: freed blocks in separate segments
+    _, mm = sim_manager(1000 * MiB, auto_release_at_high=False, expandable_segments=False)
     bufs = [mm.malloc(100 * MiB) for _ in range(7)]
     for b in bufs[:4]:
         b.free()
@@ -199,7 +201,8 @@ def test_high_response_off_keeps_cache():
 
 
 def test_critical_releases_every_wholly_free_segment():
-    dev, mm = sim_manager(1000 * MiB, auto_cleanup_at_critical=True)
+    # plain segments: whole-segment release
+    dev, mm = sim_manager(1000 * MiB, auto_cleanup_at_critical=True, expandable_segments=False)
     rec = Recorder()
     mm.on_pressure(rec)
     held = [mm.malloc(100 * MiB) for _ in range(8)]   # 80 %: HIGH
@@ -221,7 +224,8 @@ def test_critical_releases_every_wholly_free_segment():
 
 
 def test_emergency_cleanup_returns_bytes_and_is_idempotent():
-    dev, mm = sim_manager(1000 * MiB)
+    # plain segments: whole-segment release
+    dev, mm = sim_manager(1000 * MiB, expandable_segments=False)
     bufs = [mm.malloc(100 * MiB) for _ in range(3)]
     bufs[0].free()
     bufs[1].free()
@@ -231,7 +235,8 @@ def test_emergency_cleanup_returns_bytes_and_is_idempotent():
 
 
 def test_emergency_cleanup_with_refused_free_keeps_segment():
-    dev, mm = sim_manager(1000 * MiB)
+    # plain segments: fail_free faults free_segment
+    dev, mm = sim_manager(1000 * MiB, expandable_segments=False)
     mm.malloc(100 * MiB).free()
     dev.inject(fail_free=True)
     with pytest.warns(RuntimeWarning, match="refused to free"):

@@ -148,18 +148,23 @@ def test_destroyed_stream_with_cached_and_live_blocks(manager, sim_device):
     manager.pool.check_invariants()
 
 
-def test_stream_destroyed_behind_the_managers_back(manager, sim_device):
+@pytest.mark.parametrize("expandable", [False, True], ids=["plain", "expandable"])
+def test_stream_destroyed_behind_the_managers_back(make_manager, sim_device, expandable):
     """A stream the device forgets without telling listeners (another library destroyed it):
-    the next miss synchronizes once and reclaims its cache."""
+    the next miss synchronizes once and reclaims its cache, for a plain segment and for an
+    expandable one (then no page is mapped for the request) (level real)."""
+    manager = make_manager(expandable_segments=expandable)
     dev = sim_device.devices[0]
     s = dev.create_stream()
     manager.malloc(16 * MiB, stream=s).free()
     with dev._lock:                             # forget it the way a foreign destroy would
         del dev._submitted[s]
         del dev._completed[s]
-    syncs = dev.synchronize_calls
+    syncs, creates = dev.synchronize_calls, dev.vm_calls["create"]
     b = manager.malloc(16 * MiB)
-    assert dev.live_segments == 1               # the destroyed stream's segment was reused
+    # the destroyed stream's segment was reused: no new segment, no new page
+    assert dev.live_segments == (0 if expandable else 1) and dev.live_bytes == 16 * MiB
+    assert dev.vm_calls["create"] == creates
     assert dev.synchronize_calls == syncs + 1
     b.free()
     with pytest.raises(InvalidInputError, match="destroyed"):
