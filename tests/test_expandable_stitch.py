@@ -301,3 +301,35 @@ def test_random_work_keeps_every_invariant_and_every_byte(vm):
         buf.free()
     assert mm.empty_cache() >= 0 and mm.pool.reserved_bytes == 0
     check(mm, [])
+
+
+@pytest.mark.parametrize("release_before_grow", [True, False])
+def test_release_before_grow_crosses_the_two_pools(release_before_grow):
+    """release_before_grow with expandable segments (level real, sim): growth past the
+    high-water mark first gives back what the other pool holds idle, since neither pool can
+    use the other's memory. Expandable growth returns idle small-pool segments (40 MiB
+    physical, not 48); a new small-pool segment first returns free pages of a partly used
+    expandable segment (40 MiB, not 42). With the option off nothing is returned."""
+    def physical(dev) -> int:
+        free, total = dev.mem_get_info()
+        return total - free
+
+    dev, mm = sim_manager("1GiB", expandable_segments=True,
+                          release_before_grow=release_before_grow)
+    big = mm.malloc(20 * MiB)
+    for x in [mm.malloc(MiB) for _ in range(8)]:              # 4 small segments, then idle
+        x.free()
+    assert physical(dev) == 28 * MiB
+    more = mm.malloc(20 * MiB)                                # past the mark (28 MiB)
+    assert physical(dev) == (40 if release_before_grow else 48) * MiB
+    check(mm, [big, more])
+    mm.close()
+
+    dev, mm = sim_manager("1GiB", expandable_segments=True,
+                          release_before_grow=release_before_grow)
+    keep = mm.malloc(20 * MiB)
+    mm.malloc(20 * MiB).free()                                # a 20 MiB free tail: pages
+    small = mm.malloc(4096)                                   # a new small segment, past 40
+    assert physical(dev) == (40 if release_before_grow else 42) * MiB
+    check(mm, [keep, small])
+    mm.close()

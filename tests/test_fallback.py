@@ -203,7 +203,7 @@ def test_many_fallbacks_under_random_faults_keep_their_data(expandable):
     the faults stop (level real: sim with host-backed memory)."""
     dev, mm = sim(1024 * MiB, seed=3, expandable_segments=expandable)
     if expandable:
-        dev.inject_vm(create_rate=0.6)
+        dev.inject_vm(create_rate=0.15)   # per page: a 12 MiB request makes 6 of them
     else:
         dev.inject(fail_rate=0.6)
     bufs = [mm.malloc(12 * MiB + i * 4096) for i in range(24)]

@@ -233,7 +233,9 @@ def test_small_pool_growth_keeps_surplus_large_segments(make_manager):
 
 
 def test_release_before_grow_of_the_large_pool_keeps_idle_small_segments(make_manager):
-    mm = make_manager()                                  # release_before_grow=True (default)
+    # plain segments: exact segment sizes (expandable growth returns idle small segments first,
+    # by design: tests/test_expandable_stitch.py)
+    mm = make_manager(expandable_segments=False)         # release_before_grow=True (default)
     idle = [mm.malloc(MiB) for _ in range(8)] + [mm.malloc(12 * MiB)]
     for x in idle:
         x.free()
