@@ -100,12 +100,18 @@ def _size(rng: random.Random, max_size: int) -> int:
 def run(*, ops: int = 20_000, seconds: float | None = None, workers: int = 6,
         capacity: str = "1GiB", max_size: int = 64 * MiB, live_per_worker: int = 12,
         fail_rate: float = 0.0, cpu_fallback: bool = False, seed: int = 0,
-        verbose: bool = False) -> StressResult:
-    """One run; ``ops`` is the total across allocator threads (``seconds`` caps it)."""
+        expandable: bool | None = None, verbose: bool = False) -> StressResult:
+    """One run; ``ops`` is the total across allocator threads (``seconds`` caps it).
+    ``expandable``: expandable segments (holes, stitching; ``fail_rate`` then also fails page
+    creation and mapping); None: as GPUMEM_TEST_EXPANDABLE_SEGMENTS says."""
+    if expandable is None:
+        from invariants import TEST_EXPANDABLE
+        expandable = TEST_EXPANDABLE
     dev = gpumem_sim.SimDevice(parse_size(capacity), back_memory=True, seed=seed)
     gpumem_sim.install(dev)
     config = MemoryConfig(min_free_bytes=0, gpu_memory_fraction=1.0,
-                          cpu_fallback_enabled=cpu_fallback, track_allocations=False)
+                          cpu_fallback_enabled=cpu_fallback, track_allocations=False,
+                          expandable_segments=expandable)
     mm = MemoryManager("sim:0", config)
     streams = [0] + [dev.create_stream() for _ in range(3)]
     result = StressResult(threads=workers + 2)
@@ -115,6 +121,8 @@ def run(*, ops: int = 20_000, seconds: float | None = None, workers: int = 6,
     deadline = time.monotonic() + seconds if seconds else None
     if fail_rate:
         dev.inject(fail_rate=fail_rate, seed=seed)
+        if expandable:                    # per page: a few times rarer than per segment
+            dev.inject_vm(create_rate=fail_rate / 4, map_rate=fail_rate / 4)
 
     def fail(msg: str) -> None:
         with lock:
@@ -232,7 +240,7 @@ def run(*, ops: int = 20_000, seconds: float | None = None, workers: int = 6,
     for t in helpers:
         t.join()
     result.seconds = time.monotonic() - t0
-    dev.inject(fail_rate=0.0, fail_free=False)
+    dev.clear_faults()
     try:
         _final_checks(mm, dev, streams, result)
     finally:
@@ -262,6 +270,10 @@ def _final_checks(mm: MemoryManager, dev: gpumem_sim.SimDevice, streams: list[in
                                f"{dev.live_segments} segments after empty_cache()")
     if dev.live_events:
         result.failures.append(f"{dev.live_events} events leaked")
+    vm = (dev.live_page_handles, dev.live_mappings, dev.live_reservations)
+    if any(vm):
+        result.failures.append(f"after empty_cache(): {vm[0]} page handles, {vm[1]} mappings, "
+                               f"{vm[2]} reservations still live")
     for s in streams[1:]:
         dev.destroy_stream(s)
 
@@ -275,11 +287,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fail-rate", type=float, default=0.0)
     ap.add_argument("--cpu-fallback", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--expandable", action="store_true", help="expandable segments on")
     args = ap.parse_args(argv)
     res = run(ops=args.ops, seconds=args.seconds, workers=args.workers, capacity=args.capacity,
-              fail_rate=args.fail_rate, cpu_fallback=args.cpu_fallback, seed=args.seed)
+              fail_rate=args.fail_rate, cpu_fallback=args.cpu_fallback, seed=args.seed,
+              expandable=args.expandable)
     print(f"capacity={args.capacity} fail_rate={args.fail_rate} "
-          f"cpu_fallback={args.cpu_fallback} seed={args.seed}: {res}")
+          f"cpu_fallback={args.cpu_fallback} seed={args.seed} "
+          f"expandable={args.expandable}: {res}")
     for f in res.failures[:20]:
         print("  " + f)
     return 1 if res.failures else 0

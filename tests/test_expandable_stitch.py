@@ -333,3 +333,26 @@ def test_release_before_grow_crosses_the_two_pools(release_before_grow):
     assert physical(dev) == (40 if release_before_grow else 42) * MiB
     check(mm, [keep, small])
     mm.close()
+
+
+def test_pages_carved_off_the_end_come_back_in_any_order():
+    """A stitching miss that is rolled back (a refused map, or the limits) gives carved pages
+    back one by one, not always lowest first; pages carved off a segment's end had shortened
+    its span. The pool takes a page past the span with the gap left unmapped, so every order
+    restores the segment exactly (level real, sim). Found by the stress test with expandable
+    segments and page faults: before, the pool refused a page past the span and the miss
+    failed with MemoryError("the pool could not record mapped pages")."""
+    dev, mm = sim_manager("1GiB", expandable_segments=True)
+    live = mm.malloc(4 * MiB)                              # [0, 4 MiB)
+    mm.malloc(8 * MiB).free()                              # a free tail [4, 12 MiB)
+    handle = live.segment_location()[0]
+    before = snapshot_state(mm)
+    carved = mm.pool.carve_free_pages(handle, PAGE, stream=0)
+    assert carved == [(4 * MiB, 8 * MiB)]
+    assert [s["size"] for s in mm.pool.segments()] == [4 * MiB]     # the span was cut
+    for off in (10, 6, 4, 8):                              # last page first, then a middle one
+        assert mm.pool.fill_unmapped(handle, off * MiB, PAGE, 0)
+        mm.pool.check_invariants()
+    assert snapshot_state(mm) == before
+    check(mm, [live])
+    mm.close()

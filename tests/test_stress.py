@@ -15,14 +15,19 @@ from stress_harness import run
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("capacity,fail_rate,cpu_fallback", [
-    ("768MiB", 0.0, False),               # room to spare: hits, splits, cross-stream reuse
-    ("512MiB", 0.1, True),                # driver faults, answered by the CPU fallback
-    ("160MiB", 0.0, False),               # near 100 % pressure: OOM errors under contention
-], ids=["clean", "faults+fallback", "pressure"])
-def test_eight_threads_one_manager(sim_device, capacity, fail_rate, cpu_fallback):
+@pytest.mark.parametrize("capacity,fail_rate,cpu_fallback,expandable", [
+    ("768MiB", 0.0, False, None),         # room to spare: hits, splits, cross-stream reuse
+    ("512MiB", 0.1, True, None),          # driver faults, answered by the CPU fallback
+    ("160MiB", 0.0, False, None),         # near 100 % pressure: OOM errors under contention
+    ("512MiB", 0.1, True, True),          # expandable segments: holes, stitching, page faults
+    ("160MiB", 0.0, False, True),         # expandable segments under pressure
+], ids=["clean", "faults+fallback", "pressure", "expandable-faults", "expandable-pressure"])
+def test_eight_threads_one_manager(sim_device, capacity, fail_rate, cpu_fallback, expandable):
+    """None: expandable segments as GPUMEM_TEST_EXPANDABLE_SEGMENTS says (ci/test.sh runs the
+    suite both ways); True: always on. After the run every page handle, mapping and
+    reservation has gone back to the device."""
     res = run(ops=6000, seconds=8, workers=6, capacity=capacity, fail_rate=fail_rate,
-              cpu_fallback=cpu_fallback, seed=3)
+              cpu_fallback=cpu_fallback, seed=3, expandable=expandable)
     assert not res.failures, "\n".join(res.failures[:10])
     assert res.frees_checked > 1000
     if fail_rate:

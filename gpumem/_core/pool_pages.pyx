@@ -186,15 +186,16 @@ cdef list carve_free_pages(gm_pool* p, uint64_t handle, size_t page, size_t max_
 
 cdef int fill_unmapped(gm_pool* p, uint64_t handle, size_t offset, size_t size,
                        uint64_t stream) except -1:
-    """[offset, offset + size) of segment ``handle`` (inside one unmapped block, or starting at
-    the segment's end: it grows) is mapped now: make it a free block of ``stream``'s heap,
+    """[offset, offset + size) of segment ``handle`` (inside one unmapped block, or at or past
+    the segment's end: it grows, any gap before the range unmapped) is mapped now: make it a free block of ``stream``'s heap,
     merged with free neighbours there. Returns 0, or 1 when nothing changed (unknown segment
     or stream, a range that is not unmapped, unaligned, or no block struct)."""
     cdef gm_segment* seg
     cdef gm_block* u
     cdef gm_block* f = NULL
     cdef gm_block* r = NULL
-    cdef size_t uend
+    cdef gm_block* g = NULL
+    cdef size_t uend, gap
     cdef int k, hi, rc = 1
     _lock_gil(p)
     seg = _find_segment(p, handle)
@@ -202,16 +203,32 @@ cdef int fill_unmapped(gm_pool* p, uint64_t handle, size_t offset, size_t size,
     if (seg != NULL and k >= 0 and size and not size % p.cfg.granularity
             and not offset % p.cfg.granularity):
         hi = 2 * k + (0 if seg.is_small else 1)
-        if offset == seg.size:
+        if offset >= seg.size:
+            # past the span: pages carved off its end come back (a rollback), not always the
+            # first of them first; the gap between the span and them stays unmapped
+            gap = offset - seg.size
+            u = _last_block(seg)
             f = _new_block(p)
+            if gap and u.heap_index != GM_UNMAPPED and f != NULL:
+                g = _new_block(p)
+                if g == NULL:
+                    _drop_block(p, f)
+                    f = NULL
             if f != NULL:
-                u = _last_block(seg)
                 if u.offset == 0 and u.heap_index >= 0:
                     gm_sub(p.stats.whole_free_bytes, seg.size)   # one free block no longer
+                if g != NULL:
+                    _link_after(u, g)
+                    _mark_unmapped(g)
+                    g.offset = seg.size
+                    g.size = gap
+                    u = g
+                elif gap:
+                    u.size += gap             # the only block, unmapped: the gap joins it
                 _link_after(u, f)
                 f.offset = offset
-                seg.size += size
-                seg.unmapped += size          # taken off again below
+                seg.size += gap + size
+                seg.unmapped += gap + size    # size taken off again below
                 gm_add(p.stats.reserved_bytes, size)
                 rc = 0
         else:
