@@ -89,6 +89,16 @@ test_rc=0
 GPUMEM_TEST_BACKENDS="$BACKENDS" python -m pytest -n "$WORKERS" tests \
     --junitxml="$JUNIT" || test_rc=$?
 
+log "pytest on cuda again with expandable segments on (cuMem* virtual memory, holes, stitching)"
+GPUMEM_TEST_EXPANDABLE_SEGMENTS=1 GPUMEM_TEST_BACKENDS=cuda python -m pytest -n "$WORKERS" tests \
+    --junitxml="$REPORT_DIR/pytest-gpu-expandable.xml" || test_rc=$?
+
+log "the shared traces replayed on the GPU, expandable segments off and on (ratio, events/s)"
+for trace in gpumem/data/traces/*.csv.gz; do
+    python -m gpumem replay "$trace" --device cuda:0 --no-progress || true
+    python -m gpumem replay "$trace" --device cuda:0 --no-progress --expandable-segments || true
+done
+
 # --- 5. benchmark comparison ------------------------------------------------------------------
 log "benchmark comparison (cuda)"
 bench_status="skipped"
