@@ -301,3 +301,28 @@ def test_random_work_keeps_every_invariant_and_every_byte(vm):
         buf.free()
     assert mm.empty_cache() >= 0 and mm.pool.reserved_bytes == 0
     check(mm, [])
+
+
+def test_a_budgeted_trim_takes_the_highest_pages_first(vm):
+    """shrink() asked for 4 MiB, with a 20 MiB free block low in the segment and a 10 MiB
+    free tail: the pages go from the top, so the span shrinks back (a later growth maps at
+    the end again) and the low free block stays whole for the next 20 MiB request, a cache
+    hit (walking up, the trim cut a hole in it instead). The live bytes are untouched."""
+    mm = vm.mm
+    a, b, c, e, f = (mm.malloc(n * MiB) for n in (10, 20, 10, 20, 10))
+    kept = [(x, _fill(x, i)) for i, x in enumerate((a, c, e))]
+    b.free()
+    f.free()
+    before = vm.physical
+    assert mm.shrink(26 * MiB) == 4 * MiB
+    assert vm.physical == before - 4 * MiB == mm.pool.reserved_bytes
+    assert _layout(mm) == [(0, 10 * MiB, "allocated"), (10 * MiB, 20 * MiB, "free"),
+                           (30 * MiB, 10 * MiB, "allocated"), (40 * MiB, 20 * MiB, "allocated"),
+                           (60 * MiB, 6 * MiB, "free")]
+    check(mm, [a, c, e])
+    misses = mm.stats().pool_misses
+    g = mm.malloc(20 * MiB)
+    assert g.ptr == a.ptr + 10 * MiB and vm.physical == before - 4 * MiB
+    assert mm.stats().pool_misses == misses                  # a hit: no driver call
+    _intact(kept)
+    check(mm, [a, c, e, g])
