@@ -326,3 +326,27 @@ def test_a_budgeted_trim_takes_the_highest_pages_first(vm):
     assert mm.stats().pool_misses == misses                  # a hit: no driver call
     _intact(kept)
     check(mm, [a, c, e, g])
+
+
+@pytest.mark.parametrize("edge, gives", [(2.5, True), (2.25, False)])
+def test_a_free_block_gives_pages_only_when_they_outweigh_what_they_strand(vm, edge, gives):
+    """The STITCH_RATIO rule (2.5): a free block with both ends off the page grid gives its
+    4 whole pages (8 MiB) to a 16 MiB miss when they are at least 2.5 times the bytes left
+    stranded around them (1.5 + 1.5 MiB: 2.67, yes; 1.75 + 1.75 MiB: 2.29, no, and the miss
+    maps new pages instead). Physical memory grows by exactly what was not moved; bytes
+    survive."""
+    mm = vm.mm
+    side = int(edge * MiB)
+    a, b, c = mm.malloc(side), mm.malloc(16 * MiB - 2 * side), mm.malloc(side)
+    assert c.ptr - a.ptr == 16 * MiB - side
+    kept = [(a, _fill(a, 1)), (c, _fill(c, 2))]
+    b.free()
+    before, moved = vm.physical, mm._expandable.stitched_bytes
+    d = mm.malloc(16 * MiB)
+    assert d.ptr == a.ptr + 16 * MiB                          # at the segment's end
+    taken = 8 * MiB if gives else 0
+    assert mm._expandable.stitched_bytes - moved == taken
+    assert vm.physical == before + 16 * MiB - taken == mm.pool.reserved_bytes
+    data = _fill(d, 3)
+    _intact(kept + [(d, data)])
+    check(mm, [a, c, d])

@@ -119,7 +119,7 @@ cdef void _drop_unmapped_tail(gm_pool* p, gm_segment* seg) noexcept nogil:
 
 cdef list carve_free_pages(gm_pool* p, uint64_t handle, size_t page, size_t max_bytes,
                            int any_stream, uint64_t stream, size_t keep_lo, size_t keep_hi,
-                           size_t min_offset, int ratio):
+                           size_t min_offset, double ratio):
     """Turn up to ``max_bytes`` of whole pages inside free blocks of segment ``handle`` into
     unmapped blocks: blocks of any heap (any_stream, after the device was synchronized) or of
     ``stream``'s large heap only; not from a block that overlaps [keep_lo, keep_hi) (the
@@ -165,7 +165,7 @@ cdef list carve_free_pages(gm_pool* p, uint64_t handle, size_t page, size_t max_
                 # an aligned end gives pages without splitting the block; otherwise the pages
                 # taken must be worth `ratio` times the free bytes they leave stranded
                 if whole and (ratio < 0 or top == b.offset + b.size or low_end
-                              or (ratio > 0 and whole >= <size_t>ratio * (b.size - whole))):
+                              or (ratio > 0 and <double>whole >= ratio * <double>(b.size - whole))):
                     take = top - lo
                     if take > (max_bytes - taken) // page * page:
                         take = (max_bytes - taken) // page * page
