@@ -170,6 +170,8 @@ class VirtualMemory:
         return self._vm_gran
 
     def _vm_size(self, nbytes: Any, what: str = "nbytes") -> int:
+        if type(nbytes) is int and nbytes > 0 and not nbytes % self._vm_gran:
+            return nbytes                  # the common case, without the general checks
         n = _int_arg(nbytes, what, minimum=1)
         if n % self._vm_gran:
             raise InvalidInputError(
@@ -307,7 +309,7 @@ class VirtualMemory:
                                         f"{page.nbytes} bytes; unmap it whole, not {n}")
             off = address - res.address
             del res.pages[off]
-            res.starts.remove(off)
+            del res.starts[bisect.bisect_left(res.starts, off)]   # not list.remove: O(n) scan
             page.mapped_at = None
             self.mapped_bytes -= n
             self._vm_log("unmap", n, page.handle)

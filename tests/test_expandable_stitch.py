@@ -356,3 +356,52 @@ def test_pages_carved_off_the_end_come_back_in_any_order():
     assert snapshot_state(mm) == before
     check(mm, [live])
     mm.close()
+
+
+def test_a_budgeted_trim_takes_the_highest_pages_first(vm):
+    """shrink() asked for 4 MiB, with a 20 MiB free block low in the segment and a 10 MiB
+    free tail: the pages go from the top, so the span shrinks back (a later growth maps at
+    the end again) and the low free block stays whole for the next 20 MiB request, a cache
+    hit (walking up, the trim cut a hole in it instead). The live bytes are untouched."""
+    mm = vm.mm
+    a, b, c, e, f = (mm.malloc(n * MiB) for n in (10, 20, 10, 20, 10))
+    kept = [(x, _fill(x, i)) for i, x in enumerate((a, c, e))]
+    b.free()
+    f.free()
+    before = vm.physical
+    assert mm.shrink(26 * MiB) == 4 * MiB
+    assert vm.physical == before - 4 * MiB == mm.pool.reserved_bytes
+    assert _layout(mm) == [(0, 10 * MiB, "allocated"), (10 * MiB, 20 * MiB, "free"),
+                           (30 * MiB, 10 * MiB, "allocated"), (40 * MiB, 20 * MiB, "allocated"),
+                           (60 * MiB, 6 * MiB, "free")]
+    check(mm, [a, c, e])
+    misses = mm.stats().pool_misses
+    g = mm.malloc(20 * MiB)
+    assert g.ptr == a.ptr + 10 * MiB and vm.physical == before - 4 * MiB
+    assert mm.stats().pool_misses == misses                  # a hit: no driver call
+    _intact(kept)
+    check(mm, [a, c, e, g])
+
+
+@pytest.mark.parametrize("edge, gives", [(2.5, True), (2.25, False)])
+def test_a_free_block_gives_pages_only_when_they_outweigh_what_they_strand(vm, edge, gives):
+    """The STITCH_RATIO rule (2.5): a free block with both ends off the page grid gives its
+    4 whole pages (8 MiB) to a 16 MiB miss when they are at least 2.5 times the bytes left
+    stranded around them (1.5 + 1.5 MiB: 2.67, yes; 1.75 + 1.75 MiB: 2.29, no, and the miss
+    maps new pages instead). Physical memory grows by exactly what was not moved; bytes
+    survive."""
+    mm = vm.mm
+    side = int(edge * MiB)
+    a, b, c = mm.malloc(side), mm.malloc(16 * MiB - 2 * side), mm.malloc(side)
+    assert c.ptr - a.ptr == 16 * MiB - side
+    kept = [(a, _fill(a, 1)), (c, _fill(c, 2))]
+    b.free()
+    before, moved = vm.physical, mm._expandable.stitched_bytes
+    d = mm.malloc(16 * MiB)
+    assert d.ptr == a.ptr + 16 * MiB                          # at the segment's end
+    taken = 8 * MiB if gives else 0
+    assert mm._expandable.stitched_bytes - moved == taken
+    assert vm.physical == before + 16 * MiB - taken == mm.pool.reserved_bytes
+    data = _fill(d, 3)
+    _intact(kept + [(d, data)])
+    check(mm, [a, c, d])

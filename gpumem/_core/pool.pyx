@@ -451,7 +451,7 @@ cdef class CachingPool:
 
     def carve_free_pages(self, uint64_t handle, size_t page, size_t max_bytes=SIZE_MAX, *,
                          stream=None, keep=(0, 0), size_t min_offset=0,
-                         int ratio=-1) -> list:
+                         double ratio=-1) -> list:
         """Mark up to ``max_bytes`` of whole pages inside free blocks of segment ``handle``
         unmapped (only blocks cached for ``stream`` if given, else any stream's: the caller
         synchronized the device); not from blocks overlapping ``keep`` = (lo, hi), nor below

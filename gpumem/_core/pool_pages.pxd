@@ -6,7 +6,7 @@ from gpumem._core.pool_layout cimport gm_pool
 
 cdef list carve_free_pages(gm_pool* p, uint64_t handle, size_t page, size_t max_bytes,
                            int any_stream, uint64_t stream, size_t keep_lo, size_t keep_hi,
-                           size_t min_offset, int ratio)
+                           size_t min_offset, double ratio)
 cdef int fill_unmapped(gm_pool* p, uint64_t handle, size_t offset, size_t size,
                        uint64_t stream) except -1
 cdef tuple plan_fill(gm_pool* p, uint64_t handle, uint64_t stream, size_t nbytes, size_t page,

@@ -119,11 +119,12 @@ cdef void _drop_unmapped_tail(gm_pool* p, gm_segment* seg) noexcept nogil:
 
 cdef list carve_free_pages(gm_pool* p, uint64_t handle, size_t page, size_t max_bytes,
                            int any_stream, uint64_t stream, size_t keep_lo, size_t keep_hi,
-                           size_t min_offset, int ratio):
+                           size_t min_offset, double ratio):
     """Turn up to ``max_bytes`` of whole pages inside free blocks of segment ``handle`` into
     unmapped blocks: blocks of any heap (any_stream, after the device was synchronized) or of
     ``stream``'s large heap only; not from a block that overlaps [keep_lo, keep_hi) (the
-    neighbours a planned fill needs) nor below ``min_offset``. A block gives its pages from
+    neighbours a planned fill needs) nor below ``min_offset``. A trim (ratio -1)
+    takes the highest pages first, a stitch the lowest. A block gives its pages from
     its page-aligned end (its highest pages when both or neither end is aligned). ``ratio``:
     -1 every block gives its pages (a trim); 0 only blocks with an aligned end (taking
     their pages splits no free block); k > 0 those too, and a block whose whole pages are
@@ -134,7 +135,7 @@ cdef list carve_free_pages(gm_pool* p, uint64_t handle, size_t page, size_t max_
     cdef gm_block* nxt
     cdef size_t* out = NULL
     cdef size_t n = 0, nblocks = 0, taken = 0, lo, top, take, start, i
-    cdef bint low_end
+    cdef bint low_end, from_top
     cdef int k, want = -1
     _lock_gil(p)
     seg = _find_segment(p, handle)
@@ -147,9 +148,14 @@ cdef list carve_free_pages(gm_pool* p, uint64_t handle, size_t page, size_t max_
             nblocks += 1
             b = b.next
         out = <size_t*>malloc(sizeof(size_t) * 2 * (nblocks + 1))
-        b = seg.first if out != NULL else NULL
+        # a trim walks down from the top: the span shrinks back first and the low free pages
+        # stay cached (measured: resnet50_train 1.030 -> 1.022, no trace worse); a stitch
+        # walks up
+        from_top = ratio < 0
+        b = (_last_block(seg) if from_top else seg.first) if out != NULL else NULL
         while b != NULL and taken < max_bytes:
-            nxt = b.next
+            # walking down, b.prev survives a carve of b (merged into, at worst)
+            nxt = b.prev if from_top else b.next
             if (b.heap_index >= 0 and (want < 0 or b.heap_index == want)
                     and not (b.offset < keep_hi and b.offset + b.size > keep_lo)):
                 lo = _round_up(b.offset if b.offset > min_offset else min_offset, page)
@@ -159,7 +165,7 @@ cdef list carve_free_pages(gm_pool* p, uint64_t handle, size_t page, size_t max_
                 # an aligned end gives pages without splitting the block; otherwise the pages
                 # taken must be worth `ratio` times the free bytes they leave stranded
                 if whole and (ratio < 0 or top == b.offset + b.size or low_end
-                              or (ratio > 0 and whole >= <size_t>ratio * (b.size - whole))):
+                              or (ratio > 0 and <double>whole >= ratio * <double>(b.size - whole))):
                     take = top - lo
                     if take > (max_bytes - taken) // page * page:
                         take = (max_bytes - taken) // page * page
@@ -173,7 +179,8 @@ cdef list carve_free_pages(gm_pool* p, uint64_t handle, size_t page, size_t max_
                         out[2 * n + 1] = take
                         n += 1
                         taken += take
-                        nxt = b.next
+                        if not from_top:
+                            nxt = b.next
             b = nxt
         if n:
             _drop_unmapped_tail(p, seg)
