@@ -59,8 +59,13 @@ def _split(device: str) -> tuple[str, str, str]:
     return name, sep, idx.strip()
 
 
+def _is_index(idx: str) -> bool:
+    """ASCII digits only: str.isdigit() also takes '²' and '١', which int() refuses."""
+    return idx.isascii() and idx.isdigit()
+
+
 def _is_sim_size(name: str, idx: str) -> bool:
-    return name == "sim" and bool(idx) and not idx.isdigit()
+    return name == "sim" and bool(idx) and not _is_index(idx)
 
 
 def parse_device(device: str) -> tuple[str, int]:
@@ -69,9 +74,10 @@ def parse_device(device: str) -> tuple[str, int]:
     name, sep, idx = _split(device)
     if not sep:
         return name, 0
-    if not idx.isdigit():
+    if not _is_index(idx) or len(idx) > 9:
         raise InvalidDeviceError(
-            f"device {device!r}: the index after ':' must be a non-negative integer")
+            f"device {device!r}: the index after ':' must be a non-negative integer "
+            f"(at most 9 digits)")
     return name, int(idx)
 
 
@@ -81,7 +87,7 @@ def canonical_device(device: str) -> str:
     name, _, idx = _split(device)
     if _is_sim_size(name, idx):
         from gpumem.backends.sim import SIZE_SPEC
-        m = SIZE_SPEC.match(idx)
+        m = SIZE_SPEC.fullmatch(idx)
         if m is None:
             raise InvalidDeviceError(f"device {device!r}: after 'sim:' give an index (sim:0) or "
                                      f"a size (sim:80GiB)")

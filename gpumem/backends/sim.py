@@ -23,7 +23,8 @@ if TYPE_CHECKING:
 __all__ = ["SimBackend", "BACKEND", "SIZE_SPEC", "open_private"]
 
 #: ``sim:<size>``: a private simulated device of that size (the part after ``sim:``).
-SIZE_SPEC = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]+)\s*$")
+#: Match with ``fullmatch`` on the stripped text (linear time; surrounding blanks are allowed).
+SIZE_SPEC = re.compile(r"([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]+)")
 
 
 class SimBackend(Backend):
@@ -86,7 +87,7 @@ def open_private(spec: str) -> SimDevice:
     the registry: every call makes another device."""
     import gpumem_sim
 
-    m = SIZE_SPEC.match(spec)
+    m = SIZE_SPEC.fullmatch(spec.strip())
     if m is None:
         raise InvalidDeviceError(f"device 'sim:{spec}': after 'sim:' give an index (sim:0) or a "
                                  f"size (sim:80GiB)")
