@@ -137,6 +137,17 @@ def test_copy_and_device_requests(host):
     assert buf.exports == 0
 
 
+@pytest.mark.parametrize("max_version", [(), (1,), (1, 0, 0), 5, "x", (1.5, 0)])
+def test_max_version_that_is_no_pair_of_ints_is_a_type_error(host, max_version):
+    """real: a max_version that is not a (major, minor) pair of ints is a TypeError naming it,
+    and nothing is exported (``()`` raised IndexError before; found by tests/fuzz/views.py)."""
+    buf = host.malloc(64)
+    with pytest.raises(TypeError, match="max_version must be None or a \\(major, minor\\)"):
+        buf.__dlpack__(max_version=max_version)
+    assert buf.exports == 0
+    assert dl.capsule_name(buf.__dlpack__(max_version=[1, 0])) == "dltensor_versioned"
+
+
 # --- lifetime: unconsumed, consumed, no leak ------------------------------------------------------
 @pytest.mark.parametrize("max_version", [None, (1, 0)])
 def test_unconsumed_capsule_releases_everything(host, max_version):

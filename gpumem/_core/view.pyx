@@ -413,7 +413,14 @@ cdef class BufferView:
             elif wanted != tuple(device):
                 raise BufferError(f"dl_device {wanted} asked for, but this view's memory is on "
                                   f"{tuple(device)}; gpumem does not copy across devices")
-        versioned = max_version is not None and tuple(max_version)[0] >= 1
+        versioned = False
+        if max_version is not None:
+            try:
+                major, _minor = [operator.index(x) for x in max_version]
+            except (TypeError, ValueError):     # not iterable, not ints, not two of them
+                raise TypeError(f"max_version must be None or a (major, minor) tuple of ints, "
+                                f"got {max_version!r}") from None
+            versioned = major >= 1
         if self.readonly and not versioned:
             raise BufferError("a read-only view can be exported only as a versioned DLPack "
                               "capsule (max_version >= (1, 0)); the legacy capsule cannot say "
