@@ -15,7 +15,8 @@ With ``--json -`` a command writes only JSON to stdout (newline-terminated) and 
 stderr, so ``gpumem replay T --json - | jq .`` works.
 
 Errors are one line on stderr (``gpumem: error: ...``) and a non-zero exit status: 1 for a bad
-input or a failure, 2 for a usage error or a replay that ran out of memory.
+input or a failure, 2 for a usage error, a trace or PyTorch snapshot that cannot be read, or a
+replay that ran out of memory.
 """
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ from typing import Any, Sequence
 
 from gpumem import cli_common
 from gpumem.cli_common import (DEMO_TRACE, EXIT_ERROR, EXIT_OK, EXIT_OOM, EXIT_USAGE, CliError,
-                               fmt_bytes, json_out, load_trace, say, Parser, progress_for, replay_cfg)
+                               fmt_bytes, json_out, load_trace, load_torch_snapshot, say, Parser,
+                               progress_for, replay_cfg)
 from gpumem.cli_demo import cmd_demo
 
 __all__ = ["main", "build_parser", "DEMO_TRACE"]
@@ -278,9 +280,8 @@ def cmd_summary(args: argparse.Namespace) -> int:
 
 # --- import-torch -------------------------------------------------------------------------------------
 def cmd_import_torch(args: argparse.Namespace) -> int:
-    from gpumem.torch_snapshot import read_torch_snapshot
     from gpumem.trace import write_trace
-    data = read_torch_snapshot(args.snapshot, device=args.cuda_device, strict=args.strict)
+    data = load_torch_snapshot(args.snapshot, device=args.cuda_device, strict=args.strict)
     try:
         n = write_trace(args.output, data)
     except OSError as exc:
