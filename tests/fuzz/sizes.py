@@ -7,7 +7,6 @@ decimal digits (with an optional B unit) is exactly that many bytes, however man
 from __future__ import annotations
 
 import re
-from decimal import Decimal
 from typing import Iterable
 
 from gpumem import parse_size
@@ -16,8 +15,8 @@ from gpumem.errors import GpuMemoryError
 _UNIT = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
          "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40,
          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
-# the documented grammar, independently: digits, an optional fraction, an optional unit
-_GRAMMAR = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", re.ASCII)
+# the documented grammar: blanks (str.strip's), digits, an optional fraction, an optional unit
+_GRAMMAR = re.compile(r"([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)")
 
 
 def check(data: bytes) -> None:
@@ -27,10 +26,12 @@ def check(data: bytes) -> None:
     except GpuMemoryError:
         return
     assert type(n) is int and n >= 0, (text, n)
-    m = _GRAMMAR.fullmatch(text)
+    m = _GRAMMAR.fullmatch(text.strip())
     assert m is not None and m.group(2).lower() in _UNIT, f"{text!r} accepted as {n}"
-    exact = Decimal(m.group(1)) * _UNIT[m.group(2).lower()]
-    assert exact == n, f"{text!r} is {exact} bytes, parse_size says {n}"
+    whole, _, fraction = m.group(1).partition(".")      # integer arithmetic, independently
+    scaled = int(whole + fraction) * _UNIT[m.group(2).lower()]
+    assert scaled % 10 ** len(fraction) == 0 and scaled // 10 ** len(fraction) == n, \
+        f"{text!r} is {scaled} / 10**{len(fraction)} bytes, parse_size says {n}"
 
 
 def seeds() -> Iterable[bytes]:
