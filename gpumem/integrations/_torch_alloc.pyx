@@ -87,7 +87,8 @@ ctypedef struct dev_ctx:
     const int* closed                    # the manager's _closed (a bint)
     const int* hooks                     # the manager's _via_python: every request through malloc
     PyObject* manager                    # owned reference
-    size_t cache_limit                   # max_pool_size, SIZE_MAX when unlimited
+    atomic[size_t] cache_limit           # max_pool_size, SIZE_MAX when unlimited (written with
+                                         # the GIL, read by frees without it: an atomic)
     int shared                           # bound from gpumem.get_manager (manager=None)
     atomic[size_t] live                  # table entries of this device
 
@@ -264,7 +265,8 @@ cdef public void gpumem_torch_free(void* ptr, ssize_t size, int device,
         _unlock_table()
         _bad_frees.fetch_add(1)
         return
-    if (p.stats.reserved_bytes.load() - p.stats.in_use_bytes.load() > e.ctx.cache_limit
+    if (p.stats.reserved_bytes.load() - p.stats.in_use_bytes.load()
+            > e.ctx.cache_limit.load(memory_order_relaxed)
             and not _shutting_down.load()):
         with gil:
             _trim(e.ctx)
@@ -328,7 +330,7 @@ cdef void _trim(dev_ctx* c) noexcept:
 
 cdef void _refresh_limits(dev_ctx* c):
     limit = getattr(<object>c.manager, "_max_pool_size", None)
-    c.cache_limit = SIZE_MAX if limit is None else <size_t>limit
+    c.cache_limit.store(SIZE_MAX if limit is None else <size_t>limit, memory_order_relaxed)
 
 
 cdef dev_ctx* _context_for(int device) except NULL:
