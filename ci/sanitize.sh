@@ -18,7 +18,15 @@
 # non-zero when a test failed or R > 0. Usage: bash ci/sanitize.sh [extra pytest args]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-source ci/setup_env.sh "test,cuda"
+# the venv of ci/setup_env.sh, set up (which also builds the checkout in place, unused here)
+# only when it lacks what this script needs
+VENV="${GPUMEM_VENV:-.venv}"
+if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c \
+        "import pytest, xdist, hypothesis, Cython, setuptools, numpy, cuda.bindings" 2>/dev/null; then
+    . "$VENV/bin/activate"
+else
+    source ci/setup_env.sh "test,cuda"
+fi
 ROOT=$PWD
 OUT=$ROOT/build/sanitize
 REPORTS=$OUT/reports
@@ -157,6 +165,9 @@ TSAN_FLAGS="-fsanitize=thread -fno-omit-frame-pointer -g"
 T=$OUT/tsan
 printf '\n=== building with %s (%s) ===\n' "$TSAN_FLAGS" "$T"
 stage "$T"
+# the C++ that Cython generated for the ASan build (newer than its .pyx: not generated again)
+(cd "$A" && find gpumem \( -name "*.cpp" -o -name "*.h" \) | tar -cf - -T -) \
+    | tar -xf - -C "$T"
 build "$T" "$TSAN_FLAGS"
 instrumented "$T" __tsan_read __tsan_write
 elapsed
@@ -165,7 +176,7 @@ tsan_env=(env "LD_PRELOAD=$LIBTSAN" GPUMEM_TEST_SANITIZED=1
           "CFLAGS=$PY_CFLAGS $TSAN_FLAGS" "CXXFLAGS=$PY_CFLAGS $TSAN_FLAGS"
           "LDFLAGS=$TSAN_FLAGS" "PYTHONPATH=$T")
 assert_built "$T" "${tsan_env[@]}"
-mapfile -t threaded < <(cd "$T" && grep -l -E "threading|ThreadPoolExecutor|pthread" \
+mapfile -t threaded < <(cd "$T" && grep -l -E "threading|ThreadPoolExecutor|pthread|stress_harness" \
                            tests/test_*.py | sort)
 printf '\n=== TSan: %d test modules that start threads, on sim ===\n%s\n' "${#threaded[@]}" \
     "${threaded[*]}"
