@@ -10,6 +10,7 @@ Commands::
     gpumem demo                          what the allocator does, on a simulated device
     gpumem import-torch SNAP -o TRACE    a PyTorch memory snapshot's history as a trace
     gpumem cluster SCHEDULER_ADDRESS     gpumem's memory on every worker of a Dask cluster
+    gpumem trace synth KIND -o TRACE     a seeded synthetic trace (serving, varlen, training)
 
 With ``--json -`` a command writes only JSON to stdout (newline-terminated) and its report to
 stderr, so ``gpumem replay T --json - | jq .`` works.
@@ -445,6 +446,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds to wait for the scheduler (10)")
     s.add_argument("--json", action="store_true", help="print JSON rows")
     s.set_defaults(func=cmd_cluster)
+
+    from gpumem import cli_trace
+    cli_trace.register(sub)
     return p
 
 
