@@ -1,5 +1,5 @@
 """Expandable segments off vs on, side by side in one run: every trace shipped in gpumem/data/traces (or
-GPUMEM_TRACES) replayed with :func:`gpumem.replay` on a fresh sim:80GiB, for the default,
+GPUMEM_TRACES) replayed with :func:`gpumem.observe.replay` on a fresh sim:80GiB, for the default,
 constrained and inference presets. Prints a Markdown table: peak physical bytes (the pool's peak
 reserved bytes, which with expandable segments are exactly the mapped pages) over peak live
 requested bytes, events/s (median of ``--repeat`` replays) and driver calls.
@@ -15,8 +15,8 @@ import statistics
 import sys
 from pathlib import Path
 
-from gpumem.replay import replay, replay_config
-from gpumem.trace import read_trace
+from gpumem.observe.replay import replay, replay_config
+from gpumem.observe.trace import read_trace
 
 HERE = Path(__file__).resolve().parent
 

@@ -1,7 +1,7 @@
 """Synthetic allocation traces with the shapes real workloads have, seeded and deterministic.
 
 >>> from gpumem.observe.synth_traces import synthesize
->>> data = synthesize("serving", seed=3)           # a gpumem.trace.TraceData
+>>> data = synthesize("serving", seed=3)           # a gpumem.observe.trace.TraceData
 >>> gpumem.replay(data, "sim:80GiB")                # doctest: +SKIP
 
 Three generators, each a model of what a PyTorch program asks its allocator for:
@@ -32,7 +32,7 @@ from typing import Any, Callable
 import numpy as np
 
 from gpumem.errors import InvalidInputError
-from gpumem.trace import OP_ALLOC, OP_FREE, TraceData
+from gpumem.observe.trace import OP_ALLOC, OP_FREE, TraceData
 
 __all__ = ["serving", "varlen", "training", "synthesize", "describe", "KINDS", "ROUND"]
 

@@ -1,0 +1,2 @@
+"""Seeing memory: allocation tracking, history recording, traces and their replay, snapshots,
+plots, summaries and the PyTorch bridges (snapshot import, memory_viz export)."""
