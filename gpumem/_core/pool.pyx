@@ -386,7 +386,7 @@ cdef class CachingPool:
         return 0
 
     # --- expandable segments (virtual memory: pages mapped and unmapped) ----------------------
-    # The manager (gpumem/expandable.py) maps pages, then tells the pool (grow_segment_and_alloc,
+    # The manager (gpumem/manager/expandable.py) maps pages, then tells the pool (grow_segment_and_alloc,
     # fill_unmapped); or has the pool mark free pages unmapped (carve_free_pages), then unmaps
     # them. The unmapped state itself is in pool_pages.pyx. A segment's blocks may sit in other
     # streams' heaps (reclaim_idle moves them), so a free block at offset 0 need not be the
@@ -553,7 +553,7 @@ cdef class CachingPool:
     def peak_reserved_bytes(self) -> int:
         return self._p.stats.peak_reserved_bytes.load()
 
-    # --- fork (gpumem.peers runs these from os.register_at_fork) --------------------------------
+    # --- fork (gpumem.placement.peers runs these from os.register_at_fork) --------------------------------
     def _hold_for_fork(self) -> None:
         """Take every lock of the pool (its front caches', then its own) just before fork(),
         so that no other thread is halfway through an update in the child's copy, and the

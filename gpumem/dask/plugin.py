@@ -21,13 +21,13 @@ from distributed.core import Status
 from gpumem.config import MemoryConfig
 from gpumem.dask.report import METRIC_NAME
 from gpumem.errors import BackendUnavailableError, InvalidInputError
-from gpumem.pressure import MemoryPressure
+from gpumem.manager.pressure import MemoryPressure
 from gpumem.units import format_bytes, parse_size
 
 if TYPE_CHECKING:
     from distributed import Worker
 
-    from gpumem.manager import MemoryManager
+    from gpumem.manager.memory_manager import MemoryManager
 
 __all__ = ["PLUGIN_NAME", "GpumemPlugin", "worker_manager", "wire_frameworks", "device_from_env"]
 

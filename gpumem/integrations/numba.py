@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 from gpumem.errors import InvalidInputError
 
 if TYPE_CHECKING:
-    from gpumem.manager import MemoryManager
+    from gpumem.manager.memory_manager import MemoryManager
 
 __all__ = ["GpumemNumbaManager", "use_gpumem", "manager_for_device"]
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from gpumem.errors import InvalidInputError
 
 if TYPE_CHECKING:
-    from gpumem.manager import MemoryManager
+    from gpumem.manager.memory_manager import MemoryManager
 
 __all__ = ["ALLOC_SYMBOL", "FREE_SYMBOL", "TorchAllocatorError", "library_path", "bind",
            "allocator", "use_gpumem", "counters", "live_blocks"]

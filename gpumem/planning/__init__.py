@@ -1,0 +1,1 @@
+"""Planning before running: memory estimates for inference and training."""
