@@ -74,12 +74,12 @@ EOF
 }
 # every compiled module of TREE calls into the sanitizer's runtime (it was really instrumented)
 instrumented() {   # instrumented TREE SYMBOL...
-    local tree=$1 so sym
+    local tree=$1 so sym syms
     shift
     for so in "$tree"/gpumem/*/*.so; do
+        syms=$(nm -D --undefined-only "$so")
         for sym in "$@"; do
-            nm -D --undefined-only "$so" | grep -q "$sym" \
-                || { echo "$so: no $sym: not instrumented"; exit 1; }
+            [[ $syms == *"$sym"* ]] || { echo "$so: no $sym: not instrumented"; exit 1; }
         done
     done
 }

@@ -35,6 +35,9 @@ _MAX_VERSIONS: tuple[Any, ...] = (None, (1, 0), (0, 8), (2, 1), (1,), (), 5, "x"
 _DL_DEVICES: tuple[Any, ...] = (None, (1, 0), (2, 0), (3, 0), (1,), (1, 0, 0), "x", 5,
                                 (1.5, 0))
 _COPIES: tuple[Any, ...] = (None, False, True, 1)
+# numpy 2 moved it (numpy >= 1.22 is supported)
+_byte_bounds = getattr(getattr(np.lib, "array_utils", None), "byte_bounds", None) or \
+    getattr(np, "byte_bounds")
 
 
 def _ints(b: Bytes) -> tuple[Any, bool]:
@@ -72,7 +75,7 @@ def check(data: bytes) -> None:
         arr = np.asarray(view)
         assert arr.shape == view.shape and arr.dtype == view.dtype
         if arr.size:
-            lo, hi = np.lib.array_utils.byte_bounds(arr)
+            lo, hi = _byte_bounds(arr)
             assert _BUF.ptr <= lo and hi <= _BUF.ptr + _BUF.nbytes, (view, lo, hi)
         kwargs = dict(stream=b.pick(_STREAMS), max_version=b.pick(_MAX_VERSIONS),
                       dl_device=b.pick(_DL_DEVICES), copy=b.pick(_COPIES))
