@@ -39,6 +39,7 @@ runtime() { gcc -print-file-name="$1"; }
 if [ ! -e "$(runtime libasan.so)" ] || [ ! -e "$(runtime libubsan.so)" ] \
         || [ ! -e "$(runtime libtsan.so)" ]; then
     v=$(gcc -dumpversion | cut -d. -f1)
+    apt-get update -q >/dev/null
     apt-get install -y -q "libasan$((v < 12 ? 6 : 8))" libubsan1 "libtsan$((v < 12 ? 0 : 2))" \
         "libgcc-$v-dev" >/dev/null
 fi
@@ -176,8 +177,8 @@ tsan_env=(env "LD_PRELOAD=$LIBTSAN" GPUMEM_TEST_SANITIZED=1
           "CFLAGS=$PY_CFLAGS $TSAN_FLAGS" "CXXFLAGS=$PY_CFLAGS $TSAN_FLAGS"
           "LDFLAGS=$TSAN_FLAGS" "PYTHONPATH=$T")
 assert_built "$T" "${tsan_env[@]}"
-mapfile -t threaded < <(cd "$T" && grep -l -E "threading|ThreadPoolExecutor|pthread|stress_harness" \
-                           tests/test_*.py | sort)
+mapfile -t threaded < <(cd "$T" && grep -rl --include="test_*.py" \
+                           -E "threading|ThreadPoolExecutor|pthread|stress_harness" tests | sort)
 printf '\n=== TSan: %d test modules that start threads, on sim ===\n%s\n' "${#threaded[@]}" \
     "${threaded[*]}"
 (cd "$T" && "${tsan_env[@]}" GPUMEM_TEST_BACKENDS=sim python -m pytest "${pytest_args[@]}" \
