@@ -5,24 +5,33 @@ from __future__ import annotations
 import sys
 from typing import Any, TextIO
 
+from gpumem.stats import StatsDict
 from gpumem.units import format_bytes
 
-__all__ = ["METRIC_NAME", "memory_report", "format_report", "rows_from_scheduler_info"]
+__all__ = ["METRIC_NAME", "ReportRow", "memory_report", "format_report",
+           "rows_from_scheduler_info"]
 
 #: The key of gpumem's counters in a worker's heartbeat metrics.
 METRIC_NAME = "gpumem"
 
 
-def rows_from_scheduler_info(info: dict[str, Any]) -> list[dict[str, Any]]:
+class ReportRow(StatsDict):
+    """One worker's row, keyed by gpumem.stats' vocabulary (docs/statistics.md); ``peak_bytes``,
+    the name used before for ``peak_in_use_bytes``, still reads, with a DeprecationWarning."""
+    what = "gpumem.dask memory_report() row"
+    renamed = {"peak_bytes": "peak_in_use_bytes"}
+
+
+def rows_from_scheduler_info(info: dict[str, Any]) -> list[ReportRow]:
     """One row per worker of ``client.scheduler_info()``, ordered by worker name: ``worker``
     (address), ``name``, ``plugin`` (whether GpumemPlugin reports from it) and, when it does,
     the counters (``device``, ``reserved_bytes``, ``in_use_bytes``, ``cached_bytes``,
-    ``peak_bytes``, ``pressure``, ``num_ooms``, ``cpu_fallbacks``, ``paused``...)."""
+    ``peak_in_use_bytes``, ``pool_hits``, ``pressure``, ``num_ooms``, ``paused``...)."""
     rows = []
     for address, worker in info.get("workers", {}).items():
         metric = (worker.get("metrics") or {}).get(METRIC_NAME)
-        row: dict[str, Any] = {"worker": address, "name": worker.get("name", address),
-                               "plugin": bool(metric and metric.get("device"))}
+        row = ReportRow(worker=address, name=worker.get("name", address),
+                        plugin=bool(metric and metric.get("device")))
         if row["plugin"]:
             row.update(metric)
         rows.append(row)
@@ -31,7 +40,7 @@ def rows_from_scheduler_info(info: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def memory_report(client: Any, *, show: bool = True, file: TextIO | None = None
-                  ) -> list[dict[str, Any]]:
+                  ) -> list[ReportRow]:
     """gpumem's counters on every worker as the scheduler last heard them (with each
     heartbeat, every 0.5 s on a small cluster): returns one row per worker (see
     :func:`rows_from_scheduler_info`) and prints them as a table unless ``show=False``.
@@ -48,8 +57,8 @@ def memory_report(client: Any, *, show: bool = True, file: TextIO | None = None
 
 _COLUMNS = (("name", "worker", 12), ("device", "device", 8), ("reserved_bytes", "reserved", 11),
             ("in_use_bytes", "in use", 11), ("cached_bytes", "cached", 11),
-            ("peak_bytes", "peak", 11), ("pressure", "pressure", 8), ("num_ooms", "OOMs", 5),
-            ("cpu_fallbacks", "fallbacks", 9), ("paused", "paused", 6))
+            ("peak_in_use_bytes", "peak in use", 11), ("pressure", "pressure", 8),
+            ("num_ooms", "OOMs", 5), ("cpu_fallbacks", "fallbacks", 9), ("paused", "paused", 6))
 
 
 def format_report(rows: list[dict[str, Any]]) -> str:

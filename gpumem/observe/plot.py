@@ -233,10 +233,10 @@ def plot_segments(snapshot: dict, path: str | os.PathLike[str], *, title: str | 
                 title += f" (after event {snapshot['event_index']:,})"
     fig.suptitle(title, fontsize=12)
     shown = "" if n == total_segs else f"; showing the {n} largest of {total_segs} segments"
-    ax.set_title(f"{s['segments']} segments, {format_bytes(s['reserved_bytes'])} reserved, "
-                 f"{format_bytes(s['allocated_bytes'])} allocated, largest free block "
+    ax.set_title(f"{s['num_segments']} segments, {format_bytes(s['reserved_bytes'])} reserved, "
+                 f"{format_bytes(s['in_use_bytes'])} allocated, largest free block "
                  f"{format_bytes(s['largest_free_block'])}, fragmentation of the free space "
-                 f"{s['fragmentation']:.0%}{shown}", fontsize=8, color="0.35", loc="left")
+                 f"{s['fragmentation_ratio']:.0%}{shown}", fontsize=8, color="0.35", loc="left")
     from matplotlib.patches import Patch
     handles = []
     if tags:

@@ -90,7 +90,7 @@ def _task(nbytes):
     assert mm is gpumem.get_manager(mm.device_string)
     with mm.malloc(nbytes, tag="task") as buf:
         return {"device": mm.device_string, "nbytes": buf.nbytes,
-                "kind": type(buf).__name__, "hits": mm.stats().pool_hits}
+                "kind": type(buf).__name__, "pool_hits": mm.stats().pool_hits}
 
 
 def _sim_live_bytes():
@@ -120,7 +120,7 @@ def test_plugin_installs_on_every_worker_and_tasks_allocate_through_it(client, p
     addresses = plugin(pool_size="64MiB", **WHOLE)
     assert sorted(addresses) == [0, 1]
     info = client.run(lambda dask_worker: (_manager(dask_worker).device_string,
-                                           _manager(dask_worker).stats().total_allocated_bytes))
+                                           _manager(dask_worker).stats().reserved_bytes))
     by_name = {name: info[addr] for name, addr in addresses.items()}
     assert by_name == {0: ("sim:0", 80 * MiB), 1: ("sim:1", 80 * MiB)}   # 64 MiB in 20 MiB blocks
     same = client.run(lambda dask_worker: _manager(dask_worker) is gpumem.get_manager(
@@ -129,8 +129,8 @@ def test_plugin_installs_on_every_worker_and_tasks_allocate_through_it(client, p
     for name, addr in addresses.items():
         result = client.submit(_task, 3 * MiB, workers=[addr], pure=False).result(timeout=20)
         assert result["device"] == DEVICES[name] and result["nbytes"] == 3 * MiB
-        assert result["kind"] == "Buffer" and result["hits"] >= 1
-    reserved = client.run(lambda dask_worker: _manager(dask_worker).stats().total_allocated_bytes)
+        assert result["kind"] == "Buffer" and result["pool_hits"] >= 1
+    reserved = client.run(lambda dask_worker: _manager(dask_worker).stats().reserved_bytes)
     assert set(reserved.values()) == {80 * MiB}      # served by the pool: no new segment
 
 
@@ -146,7 +146,7 @@ def test_metrics_reach_the_scheduler_and_the_report_is_right(client, plugin, cap
                      "the held buffers in the scheduler's metrics")
     assert rows[0]["device"] == "sim:0" and rows[1]["device"] == "sim:1"
     assert rows[0]["active_buffers"] == 1 and rows[0]["usable_bytes"] == 1 << 30
-    assert rows[0]["reserved_bytes"] >= 100 * MiB and rows[0]["peak_bytes"] >= 100 * MiB
+    assert rows[0]["reserved_bytes"] >= 100 * MiB and rows[0]["peak_in_use_bytes"] >= 100 * MiB
     assert rows[0]["pressure"] == "LOW" and rows[0]["num_ooms"] == 0
     assert rows[0]["paused"] is False
     printed = gdask.memory_report(client)
@@ -206,7 +206,7 @@ def test_pressure_frees_the_cache_and_pauses_the_worker(client, plugin):
         mm = _manager(dask_worker)
         mm.malloc(100 * MiB).free()                  # 100 MiB cached
         _hold(850 * MiB, dask_worker)                # 950 / 1024 reserved: HIGH
-        return mm.stats().pooled_bytes
+        return mm.stats().cached_bytes
 
     assert client.run(fill, workers=[a0])[a0] >= 100 * MiB
     status = lambda: client.scheduler_info(n_workers=-1)["workers"][a0]["status"]  # noqa: E731
