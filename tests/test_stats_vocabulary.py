@@ -110,6 +110,7 @@ ATTRIBUTES = [
 
 @pytest.mark.parametrize("what,old,new", ATTRIBUTES)
 def test_old_attribute_warns_and_reads_the_new_one(what, old, new, used, measured, replayed):
+    """obj.old reads obj.new's value, with a DeprecationWarning naming both."""
     obj = {"stats": used.stats(), "measured": measured, "replayed": replayed}[what]
     with pytest.warns(DeprecationWarning, match=rf"'{old}' is a deprecated name.*use '{new}'"):
         value = getattr(obj, old)
