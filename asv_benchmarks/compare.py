@@ -41,7 +41,8 @@ from benchmarks import (KiB, MiB, MixedWorkload, device_budget,  # noqa: E402
                         fitting_live_count, log_uniform_mean, read_trace, replay,
                         sim_device_string, trace_names)
 from compare_peers import (CudaAsyncPeer, CudaCorePeer, CudaRawPeer, CupyPeer,  # noqa: E402
-                           GpumemPeer, Peer, PyOpenCLPeer, TorchPeer, _make_all, open_peers)
+                           GpumemPeer, Peer, PyOpenCLPeer, TorchPeer, _make_all, open_peers,
+                           torch_model_peers)
 from compare_timing import (NOTES, RESULTS, Skip, Timer, fmt_size, fmt_value, print_table,  # noqa: E402
                             record, skipped)
 
@@ -261,7 +262,8 @@ def _measure_peak(peer: Peer, trace) -> tuple:
 def bench_traces(timer: Timer, peers: list[Peer], budget: int | None, names=None) -> None:
     """Replay each trace (sizes scaled down when peak live * 1.3 exceeds `budget`): cold (a
     fresh allocator) and warm (the same allocator again) ns per event, peers interleaved
-    replay by replay; peak held / peak live from a separate, untimed replay."""
+    replay by replay; peak held / peak live from a separate, untimed replay (models, whose
+    ``timed`` is False, only there)."""
     for name in names or trace_names():
         trace = read_trace(name)
         scale = 1.0
@@ -277,6 +279,8 @@ def bench_traces(timer: Timer, peers: list[Peer], budget: int | None, names=None
                 live_peers.append(peer)
             except Exception as exc:
                 skipped(f"replay {label}", peer.name, f"{type(exc).__name__}: {exc}")
+        peaked = list(live_peers)
+        live_peers = [p for p in live_peers if p.timed]
         cold: dict = {p.name: [] for p in live_peers}
         warm: dict = {p.name: [] for p in live_peers}
         for _ in range(timer.replays):
@@ -306,7 +310,7 @@ def bench_traces(timer: Timer, peers: list[Peer], budget: int | None, names=None
             note = f"{ev} events" + (f", {fallbacks} CPU fallbacks" if fallbacks else "")
             record(f"replay {label} cold", peer.name, cold[peer.name], note=note)
             record(f"replay {label} warm", peer.name, warm[peer.name])
-        for peer in live_peers:
+        for peer in peaked:
             peak, _ = peaks[peer.name]
             if peak is not None:
                 record(f"peak held/peak live {label}", peer.name, [peak / trace.peak_live],
@@ -397,7 +401,8 @@ def run_sim(timer: Timer, args) -> dict:
                     floor_manager=None if cb is None else cb.FloorManager())
     bench_mixed(timer, peers, live=args.live or 10_000)
     if not args.no_traces:
-        bench_traces(timer, peers[:1], budget=None)
+        from benchmarks import SIM_CAPACITY
+        bench_traces(timer, peers[:1] + torch_model_peers(SIM_CAPACITY), budget=None)
     NOTES.append("'gpumem' rows record the pool's always-on C history (100,000 events); "
                  "'gpumem, history off' is the same pool with pool.set_history(0)")
     return summary
@@ -498,7 +503,7 @@ def run_opencl(timer: Timer, args) -> dict:
                      f"{budget / 2**30:.2f} GiB)")
     bench_mixed(timer, peers, live=live, warmup=5_000)
     if not args.no_traces:
-        bench_traces(timer, peers, budget=budget)
+        bench_traces(timer, peers + torch_model_peers(budget), budget=budget)
     for p in peers:
         p.shutdown()
     return {}
@@ -517,7 +522,7 @@ def run_cuda(timer: Timer, args) -> dict:
     bench_hit_pairs(timer, peers)
     bench_mixed(timer, peers, live=args.live or fitting_live_count(budget))
     if not args.no_traces:
-        bench_traces(timer, peers, budget=budget)
+        bench_traces(timer, peers + torch_model_peers(budget), budget=budget)
     for p in peers:
         p.shutdown()
     return {}
