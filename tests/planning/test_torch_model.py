@@ -8,6 +8,7 @@ from PyTorch's rules (the comment next to each says which), so a change of polic
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 
@@ -435,3 +436,89 @@ def test_exported_from_gpumem_lazily():
     """gpumem.TorchAllocatorModel is the model, loaded on first use."""
     assert gpumem.TorchAllocatorModel is TorchAllocatorModel
     assert "TorchAllocatorModel" in dir(gpumem)
+
+
+# --- invariants under random workloads ------------------------------------------------------------
+def check_invariants(m: TorchAllocatorModel) -> None:
+    """The model's books balance: segments are tiled by linked, contiguous blocks; free
+    neighbours are always merged; every free block is findable; counters match the blocks."""
+    from gpumem.planning.torch_model import _ADDR_MASK
+    by_addr = {**m._cached, **m._unmapped_blocks, **m._active}
+    assert len(by_addr) == len(m._cached) + len(m._unmapped_blocks) + len(m._active)
+    seen, mapped_total = 0, 0
+    for base, seg in m._segments.items():
+        b, prev = by_addr[base], None
+        assert b.prev is None
+        while b is not None:
+            seen += 1
+            assert b.prev is prev and b.seg is seg
+            assert by_addr[b.addr] is b
+            if prev is not None:
+                assert prev.addr + prev.size == b.addr
+                assert b.stream == prev.stream and b.small == prev.small
+                assert prev.allocated or b.allocated or prev.mapped != b.mapped, "unmerged"
+            if b.mapped:
+                mapped_total += b.size
+            elif seg is not None:
+                assert (b.addr - seg.base) % seg.page == 0 and b.size % seg.page == 0
+            prev, b = b, b.next
+        if seg is not None:
+            assert prev.addr + prev.size == seg.base + seg.n_pages * seg.page
+    assert seen == len(by_addr)
+    assert mapped_total == m.reserved_bytes == m._device_used <= m.capacity
+    assert m.allocated_bytes == sum(b.size for b in m._active.values())
+    keys = [(k, small) for small in (False, True) for lst in m._free[small].values() for k in lst]
+    assert len(keys) == len(m._cached)
+    for k, small in keys:
+        b = m._cached[k & _ADDR_MASK]
+        assert (b.size << 64 | b.addr) == k and b.small == small and not b.allocated
+    for small in (False, True):
+        for lst in list(m._free[small].values()) + list(m._unmapped[small].values()):
+            assert lst == sorted(lst)
+
+
+@pytest.mark.parametrize("conf", ["", "max_split_size_mb:40", "roundup_power2_divisions:4",
+                                  "expandable_segments:True",
+                                  "expandable_segments:True,max_split_size_mb:64",
+                                  "garbage_collection_threshold:0.6"])
+def test_invariants_hold_under_random_workloads(conf):
+    """3,000 random mallocs/frees (1 B..64 MiB, two streams) on a 512 MiB device, with OOMs,
+    retries, garbage collection and empty_cache along the way: the invariants hold after every
+    step, and freeing everything leaves no allocated byte."""
+    rng = random.Random(hash(conf) & 0xFFFF)
+    m = TorchAllocatorModel(512 * MiB, conf, memory_fraction=0.9)
+    live: list[int] = []
+    ooms = 0
+    for step in range(3000):
+        if live and (rng.random() < 0.45 or len(live) > 60):
+            m.free(live.pop(rng.randrange(len(live))))
+        else:
+            try:
+                live.append(m.malloc(int(2 ** rng.uniform(0, 26)), stream=rng.randrange(2)))
+            except OutOfMemoryError:
+                ooms += 1
+        if step % 500 == 499:
+            m.empty_cache()
+        check_invariants(m)
+    for a in live:
+        m.free(a)
+    check_invariants(m)
+    assert m.allocated_bytes == 0 and m.num_ooms == ooms
+    m.empty_cache()
+    assert m.reserved_bytes == 0 and m.segments() == []
+
+
+@pytest.mark.parametrize("conf", ["", "expandable_segments:True"])
+def test_invariants_hold_after_a_shipped_trace(conf):
+    """The model's books balance after replaying a real trace's events."""
+    from gpumem.observe.trace import read_trace
+    data = read_trace(Path(gpumem.__file__).parent / "data" / "resnet50_train_step1.csv.gz")
+    m = TorchAllocatorModel(80 * GiB, conf)
+    handles = {}
+    for op, i, n in zip(data.ops.tolist(), data.ids.tolist(), data.sizes.tolist()):
+        if op == 0:
+            handles[i] = m.malloc(n)
+        else:
+            m.free(handles.pop(i))
+    check_invariants(m)
+    assert m.allocated_bytes == 0
