@@ -10,6 +10,12 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from gpumem.errors import InvalidInputError
     from gpumem.planning.tune import (GPUMEM_MAX_SPLITS, PRESETS, device_capacity, gpumem_grid,
                                       tune)
+    if args.plot:                               # fail before the replays, not after
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            from gpumem.observe.plot import INSTALL_HINT
+            raise CliError(f"--plot needs matplotlib: {INSTALL_HINT}", EXIT_USAGE) from None
     try:
         device_capacity(args.device)            # a device without a size fails before reading
         presets = PRESETS if args.presets is None else \

@@ -522,3 +522,20 @@ def test_invariants_hold_after_a_shipped_trace(conf):
             m.free(handles.pop(i))
     check_invariants(m)
     assert m.allocated_bytes == 0
+
+
+def test_driver_calls_are_priced_by_the_sim_cost_model():
+    """modeled_driver_seconds is the sum of gpumem_sim.driver_costs prices of the calls made;
+    a refused cudaMalloc costs its fixed part only."""
+    from gpumem_sim.driver_costs import DriverCostModel
+    cost = DriverCostModel().cost
+    m = model(capacity=64 * MiB)
+    m.free(m.malloc(30 * MiB))
+    m.malloc(40 * MiB)                         # refused once, then retried after a cudaFree
+    want = (cost("segment_alloc", 30 * MiB) + cost("segment_alloc", 0)
+            + cost("segment_free", 30 * MiB) + cost("segment_alloc", 40 * MiB))
+    assert m.modeled_driver_seconds == pytest.approx(want)
+    e = model("expandable_segments:True")
+    e.malloc(3 * MiB)
+    assert e.modeled_driver_seconds == pytest.approx(
+        cost("vm_reserve") + cost("vm_create", 20 * MiB) + cost("vm_map") + cost("vm_set_access"))
