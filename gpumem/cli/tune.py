@@ -8,7 +8,7 @@ from gpumem.cli.common import EXIT_OK, EXIT_USAGE, CliError, DEMO_TRACE, say, wr
 
 def cmd_tune(args: argparse.Namespace) -> int:
     from gpumem.errors import InvalidInputError
-    from gpumem.planning.tune import (GPUMEM_MAX_SPLITS, PRESETS, device_capacity, gpumem_grid,
+    from gpumem.planning.tune import (GRID_MAX_SPLITS, PRESETS, device_capacity, gpumem_grid,
                                       tune)
     if args.plot:                               # fail before the replays, not after
         try:
@@ -21,7 +21,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         presets = PRESETS if args.presets is None else \
             tuple(p.strip() for p in args.presets.split(",") if p.strip())
         gpumem_cands = [] if args.allocator == "torch" else gpumem_grid(presets,
-                                                                        GPUMEM_MAX_SPLITS)
+                                                                        GRID_MAX_SPLITS)
         torch_confs = [] if args.allocator == "gpumem" else args.torch_conf
         result = tune(DEMO_TRACE if args.trace == "demo" else args.trace, args.device,
                       gpumem_configs=gpumem_cands, torch_confs=torch_confs, jobs=args.jobs,

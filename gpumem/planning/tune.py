@@ -39,7 +39,7 @@ __all__ = ["tune", "TuneResult", "Candidate", "gpumem_grid", "torch_grid", "devi
 #: presets of the gpumem grid (gpumem.observe.replay.replay_config: no CPU fallback, no margin)
 PRESETS = ("default", "inference", "constrained")
 #: max_split_size values tried besides each preset's own
-GPUMEM_MAX_SPLITS = (64 * MiB, 256 * MiB)
+GRID_MAX_SPLITS = (64 * MiB, 256 * MiB)
 #: PyTorch settings tried (PYTORCH_CUDA_ALLOC_CONF values; "" is torch's default)
 TORCH_CONFS = ("", "expandable_segments:True", "max_split_size_mb:128", "max_split_size_mb:512",
                "roundup_power2_divisions:4", "roundup_power2_divisions:8",
@@ -93,7 +93,7 @@ def _short(v: Any) -> str:
 
 
 def gpumem_grid(presets: Iterable[str] = PRESETS,
-                max_split_sizes: Iterable[int | None] = GPUMEM_MAX_SPLITS) -> list[Candidate]:
+                max_split_sizes: Iterable[int | None] = GRID_MAX_SPLITS) -> list[Candidate]:
     """Each preset with expandable segments off/on, its own max_split_size and each of
     ``max_split_sizes``, release_before_grow on/off."""
     out = []
