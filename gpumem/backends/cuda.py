@@ -22,7 +22,8 @@ import threading
 import weakref
 from typing import Any, Iterator
 
-from gpumem.backends.base import Backend, Device, DeviceProperties, check_block_range
+from gpumem.backends.base import (DLPACK_CUDA, Backend, Device, DeviceKind, DeviceProperties,
+                                  check_block_range)
 from gpumem.backends.cuda_driver import (_with_native_calls, check, load_driver, usable_memory,
                                          usable_memory_reserve)
 from gpumem.backends.cuda_host import pinned_alloc, pinned_free, process_memory_usage
@@ -55,6 +56,7 @@ class CudaBackend(Backend):
     """
 
     name = "cuda"
+    kind = DeviceKind.DEVICE
 
     def __init__(self, driver: Any = None) -> None:
         self._driver = driver
@@ -186,6 +188,8 @@ class CudaDevice(CudaVirtualMemory, Device):
     """
 
     backend = "cuda"
+    kind = DeviceKind.DEVICE
+    dlpack_device_type = DLPACK_CUDA
 
     def __init__(self, driver: Any, index: int) -> None:
         self._drv = driver
@@ -324,7 +328,10 @@ class CudaDevice(CudaVirtualMemory, Device):
 
     def segment_size(self, handle: int) -> int:
         with self._lock:
-            return self._segments[handle]
+            size = self._segments.get(handle)
+        if size is None:
+            raise InvalidInputError(f"{self.device_string}: unknown segment handle {handle!r}")
+        return size
 
     # --- data movement ---------------------------------------------------------------------------
     def _stream_obj(self, stream: int) -> Any:

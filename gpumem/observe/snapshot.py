@@ -35,6 +35,7 @@ import os
 import time
 from typing import Any
 
+from gpumem.backends.base import DeviceKind
 from gpumem.errors import ClosedManagerError, InvalidInputError
 from gpumem.units import format_bytes
 
@@ -76,10 +77,10 @@ def take_snapshot(manager: Any) -> dict:
     tags: dict[int, Any] = {}
     if tracker is not None:
         for meta in tracker.live():
-            if meta.location == "device" or manager.device_string == "cpu":
+            if meta.location == "device" or manager.device.kind is DeviceKind.HOST:
                 tags[meta.id] = meta.tag
     pending = manager.pending_free_ids() if hasattr(manager, "pending_free_ids") else ()
-    expandable = getattr(manager, "_expandable", None)
+    expandable = getattr(manager, "expandable_segments", None)
     layout = expandable.layout() if expandable is not None else {}
     segments = []
     for seg in manager.pool.segments():

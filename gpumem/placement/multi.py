@@ -30,13 +30,13 @@ import itertools
 import threading
 from typing import Any, Callable, Hashable, Iterable, Sequence
 
-from gpumem._core.buffer import Buffer, PlacementCore
+from gpumem._core.buffer import Buffer
+from gpumem._core.manager_core import PlacementCore
 from gpumem.config import MemoryConfig
 from gpumem.errors import (ClosedManagerError, ForeignBufferError, InvalidDeviceError,
                            InvalidInputError)
 from gpumem.manager.fallback import FallbackBuffer
 from gpumem.manager.memory_manager import MemoryManager
-from gpumem.manager.measure import manager_peaks
 from gpumem.stats import MemoryStats
 
 __all__ = ["MultiDeviceManager", "PlacementPolicy", "POLICIES"]
@@ -47,12 +47,11 @@ PlacementPolicy = Callable[[Sequence[MemoryManager], int], int]
 #: The built-in policy names.
 POLICIES = ("most_free", "least_pressure", "round_robin")
 
-_GPU_BACKENDS = ("cuda", "opencl", "sim")
-
-
 def _available_devices() -> list[str]:
-    from gpumem.backends import devices
-    return [d.device for d in devices() if d.available and d.backend in _GPU_BACKENDS]
+    """Every available device whose memory is not the host's (accelerators, installed
+    simulated devices)."""
+    from gpumem.backends import DeviceKind, devices
+    return [d.device for d in devices() if d.available and d.kind is not DeviceKind.HOST]
 
 
 class MultiDeviceManager(PlacementCore):
@@ -310,9 +309,8 @@ class MultiDeviceManager(PlacementCore):
         upper bound: the devices may have peaked at different times."""
         allocated = peak = 0
         for m in self._managers:
-            c = m.pool.counters()
-            allocated += c["in_use_bytes"]
-            peak += manager_peaks(m, c)[0]
+            allocated += m.pool.in_use_bytes
+            peak += m.peaks()[0]
         return allocated, peak
 
     def emergency_cleanup_all(self) -> int:
