@@ -208,14 +208,14 @@ class MultiDeviceManager(PlacementCore):
         if name is not None:
             mgr = self._affinity.get(name)
             if mgr is not None:
-                if mgr._closed:
+                if mgr.closed:
                     raise ClosedManagerError(
                         f"{name!r} is pinned to {mgr.device_string}, whose manager is closed; "
                         f"unpin({name!r}) to place it again")
                 return mgr.malloc(nbytes, stream=stream, tag=tag)
         if type(nbytes) is not int or nbytes < 0:
             nbytes = self._size(nbytes)           # a bad size changes nothing (round robin)
-        if any(m._closed for m in self._active):
+        if any(m.closed for m in self._active):
             self._refresh()
         mgr = self._choose(nbytes)
         buf = mgr.malloc(nbytes, stream=stream, tag=tag)
@@ -239,10 +239,8 @@ class MultiDeviceManager(PlacementCore):
     def _free_other(self, buf: Buffer | FallbackBuffer) -> None:
         """free() for what PlacementCore.free does not handle at C speed: fallback buffers,
         foreign buffers (an error) and wrong types."""
-        if isinstance(buf, Buffer):
+        if isinstance(buf, (Buffer, FallbackBuffer)):
             mgr = buf.manager
-        elif isinstance(buf, FallbackBuffer):
-            mgr = buf._manager
         else:
             raise TypeError(f"free() takes a gpumem Buffer, got {type(buf).__name__}")
         if self._by_device.get(mgr.device_string) is not mgr:
