@@ -24,11 +24,14 @@ It also holds the plain helpers test modules share (fixtures live in conftest.py
   skipping an unavailable backend with its reason.
 - ``sim_manager(capacity, ...)``: a MemoryManager on a fresh SimDevice, with a base config
   (``EXACT``: usable memory is the capacity; ``QUIET``: the same, no automatic responses).
+- ``run_threads(work, args)``: ``work(a)`` for each ``a`` on its own thread, all at once; the
+  exceptions they raised (the test asserts there are none).
 """
 from __future__ import annotations
 
 import os
-from typing import Any, Iterable
+import threading
+from typing import Any, Callable, Iterable
 
 import pytest
 
@@ -38,7 +41,7 @@ from gpumem.backends import get_backend
 
 __all__ = ["check", "live_ranges", "stats_without", "snapshot_state", "TEST_EXPANDABLE",
            "ALL_BACKENDS", "selected_backends", "require_backend", "device_string",
-           "backend_device", "EXACT", "QUIET", "sim_manager"]
+           "backend_device", "EXACT", "QUIET", "sim_manager", "run_threads"]
 
 ALL_BACKENDS = ("sim", "cpu", "opencl", "cuda")
 
@@ -105,6 +108,26 @@ def sim_manager(capacity: int | str, *, device: Any = None, back_memory: bool = 
         gpumem_sim.install(dev)
     cfg = MemoryConfig(**{**(EXACT if base is None else base), **config})
     return dev, MemoryManager("sim:0" if install else dev, cfg)
+
+
+def run_threads(work: Callable[[Any], None], args: Iterable[Any], *,
+                timeout: float | None = None) -> list[BaseException]:
+    """Run ``work(a)`` for each of ``args`` on its own thread, all started before any is
+    joined (each join waits at most ``timeout`` seconds); what they raised, in no order."""
+    errors: list[BaseException] = []
+
+    def guarded(a: Any) -> None:
+        try:
+            work(a)
+        except BaseException as exc:        # surfaced by the caller
+            errors.append(exc)
+
+    threads = [threading.Thread(target=guarded, args=(a,)) for a in args]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    return errors
 
 
 def live_ranges(manager: Any) -> list[tuple[int, int, int]]:

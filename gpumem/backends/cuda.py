@@ -328,9 +328,8 @@ class CudaDevice(CudaVirtualMemory, Device):
 
     def segment_size(self, handle: int) -> int:
         with self._lock:
-            size = self._segments.get(handle)
-        if size is None:
-            raise InvalidInputError(f"{self.device_string}: unknown segment handle {handle!r}")
+            size = self._segments.get(handle)        # alloc_segment's, not reservations
+        check_block_range(self.device_string, handle, size, 0, 0)
         return size
 
     # --- data movement ---------------------------------------------------------------------------
@@ -341,32 +340,29 @@ class CudaDevice(CudaVirtualMemory, Device):
         return s if s is not None else self._drv.CUstream(stream)
 
     def copy_from_host(self, handle: int, offset: int, src: memoryview, stream: int = 0) -> None:
-        mv = byte_view(src)
-        n = mv.nbytes
-        dst = self._span(handle, offset, n)
-        if n == 0:
-            return
-        host_ptr, keep = buffer_address(mv)
-        drv = self._drv
-        s = self._stream_obj(stream)
-        with self._current():
-            check(drv, drv.cuMemcpyHtoDAsync(dst, host_ptr, n, s), "cuMemcpyHtoDAsync")
-            check(drv, drv.cuStreamSynchronize(s), "cuStreamSynchronize")
-        del keep
+        self._copy(handle, offset, byte_view(src), stream, to_device=True)
 
     def copy_to_host(self, handle: int, offset: int, dst: memoryview, stream: int = 0) -> None:
         mv = byte_view(dst)
         if mv.readonly:
             raise InvalidInputError("copy_to_host: the destination buffer is read-only")
+        self._copy(handle, offset, mv, stream, to_device=False)
+
+    def _copy(self, handle: int, offset: int, mv: memoryview, stream: int,
+              to_device: bool) -> None:
+        """One synchronous copy between host bytes ``mv`` and the segment at ``offset``."""
         n = mv.nbytes
-        src = self._span(handle, offset, n)
+        dev_ptr = self._span(handle, offset, n)
         if n == 0:
             return
         host_ptr, keep = buffer_address(mv)
         drv = self._drv
         s = self._stream_obj(stream)
         with self._current():
-            check(drv, drv.cuMemcpyDtoHAsync(host_ptr, src, n, s), "cuMemcpyDtoHAsync")
+            if to_device:
+                check(drv, drv.cuMemcpyHtoDAsync(dev_ptr, host_ptr, n, s), "cuMemcpyHtoDAsync")
+            else:
+                check(drv, drv.cuMemcpyDtoHAsync(host_ptr, dev_ptr, n, s), "cuMemcpyDtoHAsync")
             check(drv, drv.cuStreamSynchronize(s), "cuStreamSynchronize")
         del keep
 

@@ -330,11 +330,7 @@ class HostDevice(Device):
         return "cpu"                    # one host: the backend's name alone
 
     def segment_size(self, handle: int) -> int:
-        with self._lock:
-            seg = self._segments.get(handle)
-        if seg is None:
-            raise InvalidInputError(f"cpu: unknown segment handle {handle!r}")
-        return seg.nbytes
+        return self._segment(handle, 0, 0).nbytes
 
     def segment_pinned(self, handle: int) -> bool:
         """True when the segment is page-locked (cuMemHostAlloc): DLPack calls it kDLCUDAHost."""

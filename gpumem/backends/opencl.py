@@ -370,11 +370,7 @@ class OpenCLDevice(Device):
         return seg
 
     def segment_size(self, handle: int) -> int:
-        with self._lock:
-            seg = self._segments.get(handle)
-        if seg is None:
-            raise InvalidInputError(f"{self.device_string}: unknown segment handle {handle!r}")
-        return seg.nbytes
+        return self._segment(handle, 0, 0).nbytes
 
     @property
     def holds_host_memory(self) -> bool:

@@ -67,11 +67,8 @@ class NumpyHostDevice(Device):
             del self._segments[handle]
 
     def segment_size(self, handle: int) -> int:
-        with self._lock:
-            arr = self._segments.get(handle)
-        if arr is None:
-            raise InvalidInputError(f"{self.device_string}: unknown segment handle {handle!r}")
-        return arr.nbytes
+        self._array(handle, 0, 0)                         # InvalidInputError when unknown
+        return self._segments[handle].nbytes
 
     def resolve(self, handle: int, offset: int, nbytes: int) -> int:
         self._array(handle, offset, nbytes)
