@@ -24,3 +24,4 @@ cdef class Buffer:
     cdef object __weakref__
 
     cdef int _raise_dead(self) except -1
+    cdef object _host_bytes(self, object obj, str what)

@@ -171,12 +171,17 @@ cdef class Buffer:
         handle, offset = self.segment_location()
         return self._owner.device.resolve(handle, offset, self.nbytes)
 
+    cdef object _host_bytes(self, object obj, str what):
+        """``obj`` as flat bytes, no longer than the buffer (InvalidInputError naming `what`)."""
+        view = memoryview(obj).cast("B")
+        if len(view) > self.nbytes:
+            raise InvalidInputError(f"{what} has {len(view)} bytes but the buffer holds "
+                                    f"{self.nbytes}")
+        return view
+
     def copy_from_host(self, src) -> None:
         """Copy a bytes-like object (at most nbytes long) into the buffer; synchronous."""
-        view = memoryview(src).cast("B")
-        if len(view) > self.nbytes:
-            raise InvalidInputError(f"source has {len(view)} bytes but the buffer holds "
-                                    f"{self.nbytes}")
+        view = self._host_bytes(src, "source")
         handle, offset = self.segment_location()
         self._owner.device.copy_from_host(handle, offset, view, self._stream)
 
@@ -185,10 +190,7 @@ cdef class Buffer:
         import numpy as np
         if out is None:
             out = np.empty(self.nbytes, dtype=np.uint8)
-        view = memoryview(out).cast("B")
-        if len(view) > self.nbytes:
-            raise InvalidInputError(f"destination has {len(view)} bytes but the buffer holds "
-                                    f"{self.nbytes}")
+        view = self._host_bytes(out, "destination")
         handle, offset = self.segment_location()
         self._owner.device.copy_to_host(handle, offset, view, self._stream)
         return out

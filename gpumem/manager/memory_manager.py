@@ -87,6 +87,14 @@ def _byte_count(value: Any, what: str) -> int:
     return value
 
 
+def _add_callback(callbacks: list, callback: Any, usage: str) -> Any:
+    """Append a callable to a part's list (InvalidInputError saying `usage` otherwise)."""
+    if not callable(callback):
+        raise InvalidInputError(usage)
+    callbacks.append(callback)
+    return callback
+
+
 #: the CPU-fallback host manager's config: no fallback of its own, no tracker, all the memory
 _HOST_CONFIG = dict(cpu_fallback_enabled=False, min_free_bytes=0, track_allocations=False,
                     gpu_memory_fraction=1.0)
@@ -299,10 +307,8 @@ class MemoryManager(ManagerCore):
     def on_oom(self, callback: OomCallback) -> OomCallback:
         """Register ``callback(manager, nbytes)``, run when a request cannot be served; it
         may free buffers, and the request is retried once after all callbacks ran."""
-        if not callable(callback):
-            raise InvalidInputError("on_oom takes a callable(manager, nbytes)")
-        self._miss.oom_callbacks.append(callback)
-        return callback
+        return _add_callback(self._miss.oom_callbacks, callback, "on_oom takes a "
+                             "callable(manager, nbytes)")
 
     # --- cache control ------------------------------------------------------------------------------
     def empty_cache(self) -> int:
@@ -391,10 +397,8 @@ class MemoryManager(ManagerCore):
 
     def on_pressure(self, callback: PressureCallback) -> PressureCallback:
         """Register ``callback(old_level, new_level, ratio)``, called on each level change."""
-        if not callable(callback):
-            raise InvalidInputError("on_pressure takes a callable(old, new, ratio)")
-        self._pressure.callbacks.append(callback)
-        return callback
+        return _add_callback(self._pressure.callbacks, callback, "on_pressure takes a "
+                             "callable(old, new, ratio)")
 
     def emergency_cleanup(self) -> int:
         """Release every wholly free segment now (the CRITICAL response); bytes released."""
