@@ -18,7 +18,7 @@ whose heap holds their free block. When a stream's reservation is used up and no
 gets another reservation (another segment).
 
 Memory goes back page by page: :meth:`ExpandableSegments.trim` (empty_cache, shrink, the cache
-cap, pressure responses and the OOM ladder, through the manager's ``_release_cached``) unmaps
+cap, pressure responses and the OOM ladder, through ``SegmentGrowth.release_cached``) unmaps
 and releases every free whole page, inside segments too, after one ``device.synchronize()``; a
 segment without live blocks is detached by the pool and released whole (:meth:`release`).
 
