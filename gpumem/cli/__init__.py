@@ -10,6 +10,7 @@ Commands::
     gpumem demo                          what the allocator does, on a simulated device
     gpumem import-torch SNAP -o TRACE    a PyTorch memory snapshot's history as a trace
     gpumem cluster SCHEDULER_ADDRESS     gpumem's memory on every worker of a Dask cluster
+    gpumem trace synth KIND -o TRACE     a seeded synthetic trace (serving, varlen, training)
 
 With ``--json -`` a command writes only JSON to stdout (newline-terminated) and its report to
 stderr, so ``gpumem replay T --json - | jq .`` works.
@@ -23,7 +24,7 @@ import argparse
 import sys
 from typing import Sequence
 
-from gpumem.cli import cluster, common, demo, info, inspect, replay, torch_import
+from gpumem.cli import cluster, common, demo, info, inspect, replay, torch_import, trace
 from gpumem.cli.common import (
     DEMO_TRACE,
     EXIT_ERROR,
@@ -37,7 +38,7 @@ __all__ = ["main", "build_parser", "DEMO_TRACE", "GROUPS"]
 
 #: the command groups, in the order ``gpumem --help`` lists them: each module's
 #: ``register(subparsers)`` adds its commands
-GROUPS = (info, replay, inspect, torch_import, demo, cluster)
+GROUPS = (info, replay, inspect, torch_import, trace, demo, cluster)
 
 
 def build_parser() -> argparse.ArgumentParser:

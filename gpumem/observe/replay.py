@@ -112,6 +112,11 @@ class ReplayResult:
     #: driver calls the pool made: segment allocs and frees, and virtual-memory calls
     #: (reserve, create, map, unmap, release, free) of expandable segments
     driver_calls: int = 0
+    #: seconds the replay's driver calls would take on a GPU, from the device's cost model
+    #: (:mod:`gpumem_sim.driver_costs`); 0.0 on a backend without one
+    modeled_driver_seconds: float = 0.0
+    #: ``{call: [count, seconds]}`` behind ``modeled_driver_seconds``
+    modeled_driver_breakdown: dict[str, list] = field(default_factory=dict, repr=False)
     config: dict[str, Any] = field(default_factory=dict, repr=False)
     #: ``{"live": int64[n], "reserved": int64[n], "t_ns": int64[n]}`` after each event, with
     #: ``record_series=True``
@@ -136,7 +141,9 @@ class ReplayResult:
             f"replay of {self.trace} on {self.device}"
             + ("" if fb(self.capacity) in self.device else f" ({fb(self.capacity)})"),
             f"  events          {self.events:,} ({self.allocs:,} allocs, {self.frees:,} frees) "
-            f"in {self.duration_s:.3f} s = {self.events_per_second:,.0f} events/s",
+            f"in {self.duration_s:.3f} s = {self.events_per_second:,.0f} events/s"
+            + (f"; driver time on a GPU (modeled) {_fmt_seconds(self.modeled_driver_seconds)}"
+               if self.modeled_driver_seconds else ""),
             f"  peak live       {fb(self.peak_live_bytes)} requested "
             f"({fb(self.peak_in_use_bytes)} after rounding)",
             f"  peak reserved   {fb(self.peak_reserved_bytes)} "
@@ -157,6 +164,18 @@ class ReplayResult:
         if self.cpu_fallbacks:
             lines.append(f"  CPU fallbacks   {self.cpu_fallbacks:,}")
         return "\n".join(lines)
+
+
+def _fmt_seconds(s: float) -> str:
+    return f"{s * 1e3:,.1f} ms" if s < 10 else f"{s:,.2f} s"
+
+
+def _driver_meter(dev: Device) -> tuple[float, dict]:
+    """The device's modeled driver seconds and breakdown so far ((0.0, {}) without a model)."""
+    seconds = getattr(dev, "modeled_driver_seconds", None)
+    if not isinstance(seconds, float):
+        return 0.0, {}
+    return seconds, dict(dev.modeled_driver_breakdown)  # type: ignore[attr-defined]
 
 
 class _OomFilter(logging.Filter):
@@ -295,6 +314,7 @@ def replay(trace: Any, device: str | Device = "sim:80GiB",
         reserved_series = np.zeros(n, dtype=np.int64)
     bar = _Progress(progress, n, f"replay {data.name}")
 
+    modeled0, breakdown0 = _driver_meter(dev)   # the manager's own set-up calls count too
     mm = MemoryManager(dev, cfg)
     pool = mm.pool
     handles: dict[int, Any] = {}
@@ -360,6 +380,8 @@ def replay(trace: Any, device: str | Device = "sim:80GiB",
                     bar.update(k)
                     next_tick += step
             duration = time.perf_counter() - t0
+            # like driver_calls: the replay's calls, not those of the close() below
+            modeled1, breakdown1 = _driver_meter(dev)
             bar.close(n)
             bar = None
             if quiet.dropped:
@@ -395,6 +417,10 @@ def replay(trace: Any, device: str | Device = "sim:80GiB",
         duration_s=duration, events_per_second=(n / duration) if duration > 0 else 0.0,
         fragmentation_at_peak=frag_at_peak, cached_at_peak=cached_at_peak,
         driver_calls=driver_calls,
+        modeled_driver_seconds=modeled1 - modeled0,
+        modeled_driver_breakdown={
+            c: [k - breakdown0.get(c, (0, 0.0))[0], s - breakdown0.get(c, (0, 0.0))[1]]
+            for c, (k, s) in breakdown1.items() if k > breakdown0.get(c, (0, 0.0))[0]},
         config={"expandable_segments": mm.expandable_segments is not None,"gpu_memory_fraction": cfg.gpu_memory_fraction,
                 "cpu_fallback_enabled": cfg.cpu_fallback_enabled,
                 "min_free_bytes": cfg.min_free_bytes, "max_pool_size": cfg.max_pool_size,
