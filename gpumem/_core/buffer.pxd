@@ -1,6 +1,6 @@
 # cython: language_level=3
 """Layout of Buffer (buffer.pyx), cimported by manager_core.pyx, whose ManagerCore builds
-Buffers on the hot path (``Buffer.__new__`` plus C stores, no ``__init__``)."""
+Buffers on the hot path through ``new_buffer`` (no ``__init__``)."""
 cimport cython
 from libc.stdint cimport uint64_t
 
@@ -25,3 +25,7 @@ cdef class Buffer:
 
     cdef int _raise_dead(self) except -1
     cdef object _host_bytes(self, object obj, str what)
+
+
+# built here, where the type's allocator (with its free list) is called directly
+cdef Buffer new_buffer(ManagerBase owner, gm_block* b, size_t n, uint64_t s, object tag)

@@ -260,6 +260,19 @@ cdef class Buffer:
         return _view_module().dlpack_device(self)
 
 
+cdef Buffer new_buffer(ManagerBase owner, gm_block* b, size_t n, uint64_t s, object tag):
+    """A Buffer for block `b` of `owner`'s pool: C stores only (the manager's hot path)."""
+    cdef Buffer buf = Buffer.__new__(Buffer)
+    buf._block = b
+    buf.id = b.serial
+    buf._ptr = b.segment.base + b.offset
+    buf.nbytes = n
+    buf._stream = s
+    buf.tag = tag
+    buf._owner = owner
+    return buf
+
+
 cdef str _location(device):
     """A buffer's ``location``: "cpu" on a host-memory device, else "device"."""
     return "cpu" if device.kind is DeviceKind.HOST else "device"

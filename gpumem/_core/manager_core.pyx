@@ -22,7 +22,7 @@ cimport cython
 from libc.stdint cimport uint64_t
 from cpython.long cimport PyLong_AsLongLong, PyLong_AsLongLongAndOverflow
 
-from gpumem._core.buffer cimport Buffer
+from gpumem._core.buffer cimport Buffer, new_buffer
 from gpumem._core.manager_base cimport ManagerBase
 from gpumem._core.pool cimport (CachingPool, gm_pool, gm_block, gm_alloc_gil, gm_free_gil,
                                 GM_OK)
@@ -114,14 +114,7 @@ cdef class ManagerCore(ManagerBase):
             raise TypeError(f"free() takes a gpumem Buffer, got {type(buffer).__name__}")
 
     cdef Buffer _wrap(self, gm_block* b, size_t n, uint64_t s, object tag):
-        cdef Buffer buf = Buffer.__new__(Buffer)
-        buf._block = b
-        buf.id = b.serial
-        buf._ptr = b.segment.base + b.offset
-        buf.nbytes = n
-        buf._stream = s
-        buf.tag = tag
-        buf._owner = self
+        cdef Buffer buf = new_buffer(self, b, n, s, tag)
         if self._addr_log != NULL:       # history recording: C stores only
             self._addr_log[2 * (self._addr_count & self._addr_mask)] = b.serial
             self._addr_log[2 * (self._addr_count & self._addr_mask) + 1] = buf._ptr
