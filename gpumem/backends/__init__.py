@@ -30,6 +30,7 @@ from gpumem.errors import BackendUnavailableError, InvalidDeviceError, InvalidIn
 __all__ = ["Backend", "Device", "DeviceDescription", "DeviceKind", "DeviceProperties",
            "BACKEND_NAMES", "HOST_DEVICE", "backend_names", "register_backend",
            "unregister_backend", "get_backend", "parse_device", "canonical_device",
+           "private_device_size",
            "open_device", "devices", "default_device", "holds_host_memory", "DEVICE_ENV_VAR"]
 
 #: Names the default device of :func:`default_device` (e.g. ``GPUMEM_DEVICE=opencl:0``).
@@ -121,6 +122,16 @@ def _split(device: str) -> tuple[str, str, str]:
 
 def _is_sim_size(name: str, idx: str) -> bool:
     return name == "sim" and bool(idx) and not idx.isdigit()
+
+
+def private_device_size(device: str) -> str | None:
+    """The size part of a device string naming a new private simulated device (``"sim:80GiB"``
+    -> ``"80GiB"``); None for any other string."""
+    if not isinstance(device, str):
+        return None
+    name, _, idx = device.strip().partition(":")
+    name, idx = name.strip().lower(), idx.strip()
+    return idx if name in _REGISTRY and _is_sim_size(name, idx) else None
 
 
 def parse_device(device: str) -> tuple[str, int]:

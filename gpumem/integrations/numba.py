@@ -144,7 +144,7 @@ def _build_plugin_class() -> type:
             mm = self.manager
             driver_free, total = mm.memory_info()
             stats = mm.stats()
-            free = min(driver_free + stats.pooled_bytes,
+            free = min(driver_free + stats.cached_bytes,
                        max(0, mm.usable_memory - stats.in_use_bytes))
             return MemoryInfo(free=free, total=total)
 

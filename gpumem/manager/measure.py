@@ -4,13 +4,15 @@ Example::
 
     with mm.measure() as m:
         step(model, batch)
-    print(m.stats.allocations, m.stats.hits, m.stats.misses, m.stats.peak_in_use_bytes)
+    print(m.stats.num_allocs, m.stats.pool_hits, m.stats.pool_misses, m.stats.peak_in_use_bytes)
     print(m.stats)           # one line a person reads
 
 ``m.stats`` (a :class:`MeasuredStats`, set when the block exits, also after an exception)
-holds the changes of the manager's counters inside the block -- allocations, frees, hits,
-misses, segments, CPU fallbacks, OOMs, the net change of in-use and reserved bytes -- and the
-peak in-use and reserved bytes *within* the block. The counters are the manager's, so work of
+holds the changes of the manager's counters inside the block -- ``num_allocs``, ``num_frees``,
+``pool_hits``, ``pool_misses``, segments, CPU fallbacks, ``num_ooms``, the net change of in-use
+and reserved bytes -- and the peak in-use and reserved bytes *within* the block (the names of
+gpumem.stats' vocabulary; the old ``allocations``/``frees``/``hits``/``misses``/``ooms`` still
+read, with a DeprecationWarning). The counters are the manager's, so work of
 other threads on the same manager during the block is counted too.
 
 The peak of a block costs nothing on the hot path: entering a block resets the pool's peak
@@ -32,6 +34,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from gpumem.errors import ClosedManagerError, InvalidInputError
+from gpumem.stats import DeprecatedName, StatsDict, deprecated_names
 from gpumem.units import format_bytes
 
 if TYPE_CHECKING:
@@ -46,37 +49,49 @@ class MeasuredStats:
     """What changed on one manager inside a ``measure()`` block."""
 
     device: str
-    allocations: int                # device allocations served (from the cache or new segments)
-    frees: int
-    hits: int                       # served from the cache
-    misses: int                     # needed a new segment (or failed)
+    num_allocs: int                 # device allocations served (from the cache or new segments)
+    num_frees: int
+    pool_hits: int                  # served from the cache
+    pool_misses: int                # needed a new segment or expandable growth
     segments_created: int
     segments_released: int
     cpu_fallbacks: int
-    ooms: int
+    num_ooms: int
     in_use_bytes_change: int        # net: bytes in use at exit minus at entry
     reserved_bytes_change: int      # net: bytes held from the device at exit minus at entry
     peak_in_use_bytes: int          # the most bytes in use at any moment inside the block
     peak_reserved_bytes: int        # the most bytes held from the device inside the block
     seconds: float
 
+    allocations = DeprecatedName("num_allocs")
+    frees = DeprecatedName("num_frees")
+    hits = DeprecatedName("pool_hits")
+    misses = DeprecatedName("pool_misses")
+    ooms = DeprecatedName("num_ooms")
+
     def hit_rate(self) -> float:
         """Share of the block's allocations served from the cache (0.0 when none)."""
-        return self.hits / self.allocations if self.allocations else 0.0
+        return self.pool_hits / self.num_allocs if self.num_allocs else 0.0
 
-    def as_dict(self) -> dict:
-        d = asdict(self)
+    def as_dict(self) -> StatsDict:
+        d = MeasuredStatsDict(asdict(self))
         d["hit_rate"] = self.hit_rate()
         return d
 
     def __str__(self) -> str:
         fb = format_bytes
-        return (f"{self.device}: {self.allocations} allocations ({self.hits} hits, "
-                f"{self.misses} misses), {self.frees} frees, segments +{self.segments_created}"
-                f"/-{self.segments_released}, in use {self.in_use_bytes_change:+,d} B, reserved "
-                f"{self.reserved_bytes_change:+,d} B, peak in use {fb(self.peak_in_use_bytes)}, "
-                f"peak reserved {fb(self.peak_reserved_bytes)}, CPU fallbacks "
-                f"{self.cpu_fallbacks}, OOMs {self.ooms}, {self.seconds * 1e3:.3f} ms")
+        return (f"{self.device}: {self.num_allocs} allocations ({self.pool_hits} hits, "
+                f"{self.pool_misses} misses), {self.num_frees} frees, segments "
+                f"+{self.segments_created}/-{self.segments_released}, in use "
+                f"{self.in_use_bytes_change:+,d} B, reserved {self.reserved_bytes_change:+,d} B, "
+                f"peak in use {fb(self.peak_in_use_bytes)}, peak reserved "
+                f"{fb(self.peak_reserved_bytes)}, CPU fallbacks {self.cpu_fallbacks}, OOMs "
+                f"{self.num_ooms}, {self.seconds * 1e3:.3f} ms")
+
+
+class MeasuredStatsDict(StatsDict):
+    what = "MeasuredStats.as_dict()"
+    renamed = deprecated_names(MeasuredStats)
 
 
 class _Window:
@@ -171,15 +186,16 @@ class Measurement:
         before, fallbacks, ooms, start = self._before
         after = mgr.pool.counters()
         peak_in_use, peak_reserved = self._windows.close(self._window)
-        d = {k: after[k] - before[k] for k in ("num_allocs", "num_frees", "hits", "misses",
-                                               "segments_created", "segments_released",
-                                               "in_use_bytes", "reserved_bytes")}
+        d = {k: after[k] - before[k] for k in ("num_allocs", "num_frees", "pool_hits",
+                                               "pool_misses", "segments_created",
+                                               "segments_released", "in_use_bytes",
+                                               "reserved_bytes")}
         self.stats = MeasuredStats(
-            device=mgr.device_string, allocations=d["num_allocs"],
-            frees=d["num_frees"], hits=d["hits"], misses=d["misses"],
+            device=mgr.device_string, num_allocs=d["num_allocs"], num_frees=d["num_frees"],
+            pool_hits=d["pool_hits"], pool_misses=d["pool_misses"],
             segments_created=d["segments_created"], segments_released=d["segments_released"],
             cpu_fallbacks=self._miss.cpu_fallbacks - fallbacks,
-            ooms=self._miss.num_ooms - ooms,
+            num_ooms=self._miss.num_ooms - ooms,
             in_use_bytes_change=d["in_use_bytes"], reserved_bytes_change=d["reserved_bytes"],
             peak_in_use_bytes=peak_in_use, peak_reserved_bytes=peak_reserved,
             seconds=end - start)

@@ -322,10 +322,10 @@ class MemoryManager(ManagerCore):
         such as ``"256MiB"``) stay cached; the bytes released."""
         self._check_open()
         target_cached_bytes = _byte_count(target_cached_bytes, "target_cached_bytes")
-        pooled = self.pool.reserved_bytes - self.pool.in_use_bytes
-        if pooled <= target_cached_bytes:
+        cached = self.pool.reserved_bytes - self.pool.in_use_bytes
+        if cached <= target_cached_bytes:
             return 0
-        return self._growth.release_cached(pooled - target_cached_bytes, reason="shrink")
+        return self._growth.release_cached(cached - target_cached_bytes, reason="shrink")
 
     def set_max_pool_size(self, nbytes: int | str | None) -> None:
         """Cap the cached (free) bytes at `nbytes` (an int or a size string such as ``"1GiB"``);
@@ -343,7 +343,7 @@ class MemoryManager(ManagerCore):
         return self._growth.max_pool_size
 
     def reset_peak_stats(self) -> None:
-        """Start the peak counters (``peak_bytes``, ``peak_reserved_bytes`` in :meth:`stats`)
+        """Start the peak counters (``peak_in_use_bytes``, ``peak_reserved_bytes`` in :meth:`stats`)
         again from the current in-use and reserved bytes (open measure() blocks keep theirs)."""
         self._peaks.reset()
 
@@ -357,20 +357,20 @@ class MemoryManager(ManagerCore):
         c["peak_in_use_bytes"], c["peak_reserved_bytes"] = self._peaks.peaks(
             c["peak_in_use_bytes"], c["peak_reserved_bytes"])
         if self._closed:
-            for held in ("reserved_bytes", "in_use_bytes", "requested_bytes", "active_blocks",
-                         "num_segments", "largest_free_block"):
+            for held in ("reserved_bytes", "in_use_bytes", "cached_bytes", "requested_bytes",
+                         "active_blocks", "num_segments", "largest_free_block"):
                 c[held] = 0
         return MemoryStats(
             device=self.device_string,
-            total_allocated_bytes=c["reserved_bytes"],
+            reserved_bytes=c["reserved_bytes"],
             in_use_bytes=c["in_use_bytes"],
             requested_bytes=c["requested_bytes"],
-            pooled_bytes=c["reserved_bytes"] - c["in_use_bytes"],
-            peak_bytes=c["peak_in_use_bytes"],
+            cached_bytes=c["cached_bytes"],
+            peak_in_use_bytes=c["peak_in_use_bytes"],
             peak_reserved_bytes=c["peak_reserved_bytes"],
             largest_free_block=c["largest_free_block"],
-            pool_hits=c["hits"],
-            pool_misses=c["misses"],
+            pool_hits=c["pool_hits"],
+            pool_misses=c["pool_misses"],
             cpu_fallbacks=self._miss.cpu_fallbacks,
             fallback_bytes=self._miss.fallback_bytes,
             active_buffers=(0 if self._closed else
@@ -464,7 +464,8 @@ class MemoryManager(ManagerCore):
     # --- seeing memory ----------------------------------------------------------------------------
     def measure(self) -> "Measurement":
         """``with mm.measure() as m: ...`` then ``m.stats``: what changed inside the block
-        (allocations, frees, hits, misses, bytes) and its peak (see gpumem.manager.measure)."""
+        (num_allocs, num_frees, pool_hits, pool_misses, bytes) and its peaks (see
+        gpumem.manager.measure)."""
         from gpumem.manager.measure import Measurement
         self._check_open()
         return Measurement(self, self._peaks, self._miss)

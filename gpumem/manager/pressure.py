@@ -96,6 +96,6 @@ class PressureWatch:
             growth.release_cached(reason="emergency cleanup")
         elif level >= MemoryPressure.HIGH and cfg.auto_release_at_high:
             keep = int(cfg.high_cache_fraction * self.usable_memory)
-            pooled = self._pool.reserved_bytes - self._pool.in_use_bytes
-            if pooled > keep:
-                growth.release_cached(pooled - keep, reason="HIGH pressure")
+            cached = self._pool.reserved_bytes - self._pool.in_use_bytes
+            if cached > keep:
+                growth.release_cached(cached - keep, reason="HIGH pressure")

@@ -37,6 +37,7 @@ from typing import Any
 
 from gpumem.backends.base import DeviceKind
 from gpumem.errors import ClosedManagerError, InvalidInputError
+from gpumem.stats import StatsDict
 from gpumem.units import format_bytes
 
 __all__ = ["take_snapshot", "save_snapshot", "load_snapshot", "format_snapshot", "summarize",
@@ -197,10 +198,18 @@ def _validate(data: Any, where: str) -> None:
             raise bad(f"segment #{i}: blocks end at {end}, past the segment's size {seg['size']}")
 
 
-def summarize(snapshot: dict) -> dict[str, Any]:
-    """Totals of a snapshot: segments, bytes by state (``reserved_bytes`` physical: without
-    the ``hole_bytes`` of unmapped blocks), largest free block, fragmentation, and
-    ``{tag: bytes}`` of the allocated blocks."""
+class SnapshotTotals(StatsDict):
+    """What :func:`summarize` returns; its keys used before still read, with a warning."""
+    what = "summarize(snapshot)"
+    renamed = {"segments": "num_segments", "allocated_bytes": "in_use_bytes",
+               "free_bytes": "cached_bytes", "fragmentation": "fragmentation_ratio"}
+
+
+def summarize(snapshot: dict) -> SnapshotTotals:
+    """Totals of a snapshot in gpumem.stats' vocabulary: ``num_segments``, bytes by state
+    (``reserved_bytes`` physical: without the ``hole_bytes`` of unmapped blocks;
+    ``in_use_bytes`` in allocated blocks, ``cached_bytes`` in free ones), largest free block,
+    ``fragmentation_ratio``, and ``{tag: bytes}`` of the allocated blocks."""
     reserved = allocated = requested = free = largest = unmapped = 0
     n_alloc = n_free = 0
     by_tag: dict[str, int] = {}
@@ -220,11 +229,12 @@ def summarize(snapshot: dict) -> dict[str, Any]:
                 free += b["size"]
                 n_free += 1
                 largest = max(largest, b["size"])
-    return {"segments": len(snapshot["segments"]), "reserved_bytes": reserved,
-            "allocated_bytes": allocated, "requested_bytes": requested, "free_bytes": free,
-            "allocated_blocks": n_alloc, "free_blocks": n_free, "largest_free_block": largest,
-            "fragmentation": (1 - largest / free) if free else 0.0, "bytes_by_tag": by_tag,
-            "hole_bytes": unmapped}
+    return SnapshotTotals(
+        num_segments=len(snapshot["segments"]), reserved_bytes=reserved, in_use_bytes=allocated,
+        requested_bytes=requested, cached_bytes=free, allocated_blocks=n_alloc,
+        free_blocks=n_free, largest_free_block=largest,
+        fragmentation_ratio=(1 - largest / free) if free else 0.0, bytes_by_tag=by_tag,
+        hole_bytes=unmapped)
 
 
 def format_snapshot(snapshot: dict, *, max_segments: int = 30, max_blocks: int = 8) -> str:
@@ -234,11 +244,11 @@ def format_snapshot(snapshot: dict, *, max_segments: int = 30, max_blocks: int =
     lines = [
         f"snapshot of {snapshot['device']}"
         + (f" ({snapshot['device_name']})" if snapshot.get("device_name") else "")
-        + f": {s['segments']} segment(s), {fb(s['reserved_bytes'])} reserved",
-        f"  allocated {fb(s['allocated_bytes'])} in {s['allocated_blocks']} block(s) "
-        f"({fb(s['requested_bytes'])} requested), free {fb(s['free_bytes'])} in "
+        + f": {s['num_segments']} segment(s), {fb(s['reserved_bytes'])} reserved",
+        f"  allocated {fb(s['in_use_bytes'])} in {s['allocated_blocks']} block(s) "
+        f"({fb(s['requested_bytes'])} requested), free {fb(s['cached_bytes'])} in "
         f"{s['free_blocks']} block(s), largest free block {fb(s['largest_free_block'])}, "
-        f"fragmentation {s['fragmentation']:.1%}",
+        f"fragmentation {s['fragmentation_ratio']:.1%}",
     ]
     if s["bytes_by_tag"] and set(s["bytes_by_tag"]) != {"(untagged)"}:
         tags = sorted(s["bytes_by_tag"].items(), key=lambda kv: -kv[1])

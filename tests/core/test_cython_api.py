@@ -99,10 +99,10 @@ def test_nogil_hits_on_a_warmed_pool(downstream, manager):
     assert ok == 10_000
     assert first == ptr                                  # the same block the Python side had
     after = manager.pool.counters()
-    assert after["hits"] - before["hits"] == 10_000
+    assert after["pool_hits"] - before["pool_hits"] == 10_000
     assert after["num_allocs"] - before["num_allocs"] == 10_000
     assert after["num_frees"] - before["num_frees"] == 10_000
-    assert after["misses"] == before["misses"] and after["reserved_bytes"] == 2 * MiB
+    assert after["pool_misses"] == before["pool_misses"] and after["reserved_bytes"] == 2 * MiB
     check(manager, [])
     # the Python side keeps working on the same pool
     c = manager.malloc(4096)
@@ -181,7 +181,7 @@ def test_front_cached_block_counts_as_cached_everywhere(downstream, manager):
     next nogil alloc of the same size reuses it; freeing it twice is still a double free."""
     blk, addr, serial = _front_cached_block(downstream, manager)
     st = manager.stats()
-    assert st.in_use_bytes == 0 and st.pooled_bytes == 2 * MiB and st.active_buffers == 0
+    assert st.in_use_bytes == 0 and st.cached_bytes == 2 * MiB and st.active_buffers == 0
     (seg,) = manager.pool.segments()
     assert all(b["state"] == "free" for b in seg["blocks"])
     check(manager, [])

@@ -66,7 +66,7 @@ def test_empty_cache_and_shrink_return_free_tail_pages():
     b = mm.malloc(50 * MiB)
     b.free()
     released = mm.shrink(40 * MiB)
-    assert released > 0 and mm.stats().pooled_bytes <= 40 * MiB
+    assert released > 0 and mm.stats().cached_bytes <= 40 * MiB
     check(mm, [a])
     released += mm.empty_cache()
     assert mm.pool.reserved_bytes == 10 * MiB == dev.mapped_bytes
@@ -84,7 +84,7 @@ def test_cache_cap_trims_tails_on_free():
     a = mm.malloc(4 * MiB)
     b = mm.malloc(60 * MiB)
     b.free()
-    assert mm.stats().pooled_bytes <= 8 * MiB + PAGE
+    assert mm.stats().cached_bytes <= 8 * MiB + PAGE
     check(mm, [a])
     mm.close()
 

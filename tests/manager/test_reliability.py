@@ -253,7 +253,7 @@ def test_a_closed_managers_buffers_raise_closed_manager_error(make_manager):
         with pytest.raises(ClosedManagerError):
             call()
     st = mm.stats()
-    assert (st.total_allocated_bytes, st.in_use_bytes, st.active_buffers) == (0, 0, 0)
+    assert (st.reserved_bytes, st.in_use_bytes, st.active_buffers) == (0, 0, 0)
 
 
 def test_freed_buffer_refuses_its_address(manager):
