@@ -42,6 +42,7 @@ from libc.stdint cimport uint64_t, uint8_t, SIZE_MAX
 from libc.stdlib cimport calloc, free, malloc
 from libcpp.atomic cimport atomic, memory_order_acquire, memory_order_release, memory_order_relaxed
 
+from gpumem._core.manager_base cimport ManagerBase
 from gpumem._core.pool cimport (CachingPool, gm_pool, gm_block, gm_alloc, gm_free,
                                 gm_block_address, GM_OK)
 
@@ -49,7 +50,8 @@ import atexit
 import os
 import warnings
 
-from gpumem._core.buffer import Buffer, ManagerCore
+from gpumem._core.buffer import Buffer
+from gpumem._core.manager_core import ManagerCore
 from gpumem.errors import InvalidInputError, OutOfMemoryError
 from gpumem.stats import StatsDict
 
@@ -321,7 +323,7 @@ cdef void _free_through_python(PyObject* owned) noexcept:
 
 cdef void _trim(dev_ctx* c) noexcept:
     try:
-        (<object>c.manager)._trim_cache()
+        (<ManagerBase>c.manager)._trim()
     except BaseException as exc:
         warnings.warn(f"gpumem torch allocator: trimming the cache failed: {exc}",
                       RuntimeWarning)

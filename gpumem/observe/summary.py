@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from gpumem.errors import DriverError, InvalidInputError
+from gpumem.errors import ClosedManagerError, DriverError, InvalidInputError
 from gpumem.stats import StatsDict
 from gpumem.units import format_bytes
 
@@ -72,7 +72,8 @@ def summary_data(manager: MemoryManager, *, top_tags: int = 5) -> SummaryData:
     """The figures of :func:`memory_summary` as a plain dict."""
     if isinstance(top_tags, bool) or not isinstance(top_tags, int) or top_tags < 0:
         raise InvalidInputError(f"top_tags must be an int >= 0, got {top_tags!r}")
-    manager._check_open()
+    if manager.closed:
+        raise ClosedManagerError(f"the manager for {manager.device_string} is closed")
     st = manager.stats()
     try:
         free, total = manager.memory_info()
