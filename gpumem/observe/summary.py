@@ -61,7 +61,9 @@ def _segments_by_class(segments: list[dict]) -> list[dict]:
         row["num_segments"] += 1
         row["reserved_bytes"] += seg["size"]
         for b in seg["blocks"]:
-            if b["state"] == "free":
+            if b["state"] == "unmapped":         # a hole in an expandable segment: no memory
+                row["reserved_bytes"] -= b["size"]
+            elif b["state"] == "free":
                 row["cached_bytes"] += b["size"]
             else:                                 # allocated, or freed but waiting for streams
                 row["in_use_bytes"] += b["size"]
