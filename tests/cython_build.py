@@ -1,8 +1,10 @@
-"""Compiling a small downstream Cython module against gpumem's public .pxd at test time (as
-numpy's test_extending does), for tests that need C code calling the pool without the GIL.
+"""Build a tiny Cython extension against gpumem's public .pxd files at test time, as downstream
+code would (numpy's test_extending does the same for numpy.random); shared by the tests that
+reach the pool's C API (tests/core/test_cython_api.py, test_pool_findings.py,
+test_nogil_stress.py).
 
 The build honours CFLAGS and LDFLAGS (setuptools reads them), so under ci/sanitize.sh the test
-module is instrumented like gpumem itself.
+extension is instrumented like gpumem itself; -pthread lets a test module start C threads.
 """
 from __future__ import annotations
 
@@ -17,6 +19,8 @@ from types import ModuleType
 import pytest
 
 import gpumem
+
+__all__ = ["REPO_ROOT", "build_extension"]
 
 REPO_ROOT = Path(gpumem.__file__).resolve().parent.parent
 
@@ -34,19 +38,20 @@ SETUP = textwrap.dedent("""
 """)
 
 
-def build_module(folder: Path, name: str, pyx: str) -> ModuleType:
-    """Compile ``pyx`` as module ``name`` in ``folder`` (C++17) and import it; skips on
-    Windows (the flags are a Unix compiler's)."""
+def build_extension(directory: Path, pyx: str, name: str = "gm_downstream") -> ModuleType:
+    """Compile ``pyx`` as module ``name`` in ``directory`` (C++17; cimports resolve against
+    this checkout's gpumem) and import it; skips on Windows, fails with the compiler's output."""
     if os.name == "nt":
         pytest.skip("the test build uses a Unix C++ compiler flag")
-    (folder / f"{name}.pyx").write_text(pyx)
-    (folder / "setup.py").write_text(SETUP)
+    (directory / f"{name}.pyx").write_text(pyx)
+    (directory / "setup.py").write_text(SETUP)
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
     proc = subprocess.run([sys.executable, "setup.py", str(REPO_ROOT), name, "build_ext",
-                           "--inplace"], cwd=folder, env=env, capture_output=True, text=True,
+                           "--inplace"], cwd=directory, env=env, capture_output=True, text=True,
                           timeout=300)
-    assert proc.returncode == 0, f"building {name} failed:\n{proc.stdout}\n{proc.stderr}"
-    (so,) = [p for p in folder.iterdir() if p.name.startswith(name + ".") and
+    assert proc.returncode == 0, (f"building the test extension {name} failed:\n"
+                                  f"{proc.stdout}\n{proc.stderr}")
+    (so,) = [p for p in directory.iterdir() if p.name.startswith(name + ".") and
              p.suffix in (".so", ".pyd")]
     spec = importlib.util.spec_from_file_location(name, so)
     mod = importlib.util.module_from_spec(spec)

@@ -50,6 +50,8 @@ cdef extern from *:
     static void* gm_clock_tick(void*) {
         int idle = 0;
         struct timespec tick = {0, GM_CLOCK_TICK_NS};
+        /* a name that top, gdb and /proc/<pid>/task/<tid>/comm show (and the tests count) */
+        pthread_setname_np(pthread_self(), "gpumem-clock");
         for (;;) {
             gm_clock_now.store(gm_mono_ns(), std::memory_order_relaxed);
             nanosleep(&tick, NULL);

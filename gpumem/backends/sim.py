@@ -13,7 +13,7 @@ import operator
 import re
 from typing import TYPE_CHECKING
 
-from gpumem.backends.base import Backend, DeviceDescription
+from gpumem.backends.base import Backend, DeviceDescription, DeviceKind
 from gpumem.errors import InvalidDeviceError, InvalidInputError
 from gpumem.units import format_bytes, parse_size
 
@@ -32,6 +32,7 @@ class SimBackend(Backend):
     installing new devices takes effect at once."""
 
     name = "sim"
+    kind = DeviceKind.SIMULATED
 
     def availability(self) -> tuple[bool, str]:
         return True, ""
@@ -68,7 +69,7 @@ class SimBackend(Backend):
         devices = gpumem_sim.installed()
         if not devices:
             return [DeviceDescription(
-                device="sim", backend="sim", available=False, simulated=True,
+                device="sim", backend="sim", available=False, kind=self.kind,
                 reason=f"no simulated device installed (gpumem_sim.install or "
                        f"{gpumem_sim.ENV_VAR}); 'sim:0' opens a "
                        f"{format_bytes(gpumem_sim.DEFAULT_CAPACITY)} demo device, 'sim:<size>' "
@@ -78,7 +79,7 @@ class SimBackend(Backend):
             free, total = dev.mem_get_info()
             rows.append(DeviceDescription(device=dev.device_string, backend="sim", available=True,
                                           name=dev.name, total_memory=total, free_memory=free,
-                                          simulated=True))
+                                          kind=self.kind))
         return rows
 
 

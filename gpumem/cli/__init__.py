@@ -5,6 +5,7 @@ Commands::
     gpumem info                          devices of every backend, memory and pressure
     gpumem estimate --model mistral-7b   memory to run a transformer (preset or shape flags)
     gpumem replay TRACE                  replay an allocation trace through the real pool
+    gpumem tune TRACE --device sim:24GiB which gpumem/PyTorch settings fit it, on which card
     gpumem snapshot [--load FILE]        segments and blocks of a demo workload or a saved file
     gpumem plot TRACE OUT.png            live vs reserved memory over a trace
     gpumem demo                          what the allocator does, on a simulated device
@@ -25,7 +26,8 @@ import argparse
 import sys
 from typing import Sequence
 
-from gpumem.cli import cluster, common, demo, info, inspect, replay, torch_import, trace
+from gpumem.cli import (cluster, common, demo, info, inspect, replay, torch_import, trace,
+                        tune)
 from gpumem.cli.common import (
     DEMO_TRACE,
     EXIT_ERROR,
@@ -39,7 +41,7 @@ __all__ = ["main", "build_parser", "DEMO_TRACE", "GROUPS"]
 
 #: the command groups, in the order ``gpumem --help`` lists them: each module's
 #: ``register(subparsers)`` adds its commands
-GROUPS = (info, replay, inspect, torch_import, trace, demo, cluster)
+GROUPS = (info, replay, tune, inspect, torch_import, trace, demo, cluster)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -111,19 +111,3 @@ def write_json(obj: Any, dest: str) -> None:
     except OSError as exc:
         raise CliError(f"cannot write {dest}: {exc.strerror or exc}") from None
     say(f"wrote {dest}")
-
-def cmd_plot(args: argparse.Namespace) -> int:
-    from gpumem.observe.plot import plot_segments, plot_timeline
-    from gpumem.observe.replay import replay
-    data = load_trace(args.trace)
-    res = replay(data, args.device, replay_cfg(args), phase=args.phase, record_series=True,
-                 snapshot_at="peak" if args.segments else None,
-                 progress=progress_for(len(data), None))
-    say(f"wrote {plot_timeline(res, args.out, x=args.x)}")
-    if args.segments and res.snapshot is not None:
-        say(f"wrote {plot_segments(res.snapshot, args.segments)}")
-    say(f"peak live {fmt_bytes(res.peak_live_bytes)}, peak reserved {fmt_bytes(res.peak_reserved_bytes)} "
-         f"(reserved/live {res.reserved_live_ratio:.3f}), hit rate {res.hit_rate:.1%}")
-    if res.num_ooms:
-        raise CliError(f"{res.num_ooms:,} allocation(s) did not fit on {args.device}", EXIT_OOM)
-    return EXIT_OK

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import dlpack_structs as dl
-from gpumem import BufferInUseError, InvalidInputError, MemoryConfig, MemoryManager
+from gpumem import BufferInUseError, InvalidInputError, MemoryManager
 
 KDLCPU, KDLCUDA, KDLCUDAHOST = 1, 2, 3
 
@@ -216,26 +216,19 @@ def test_many_exports_leave_no_references_behind(host):
 
 
 # --- CPU-fallback buffers and devices without DLPack ----------------------------------------------
-def test_fallback_buffer_dlpack(sim_device):
-    sim_device("64MiB", back_memory=True)
-    mm = MemoryManager("sim:0", MemoryConfig(cpu_fallback_enabled=True, min_free_bytes=0,
-                                             gpu_memory_fraction=1.0))
-    try:
-        held = mm.malloc(48 << 20)
-        fb = mm.malloc(32 << 20)
-        a = np.from_dlpack(fb.view("int64", (4, 4)))
-        a[:] = 42
-        assert np.all(fb.copy_to_host()[:128].view(np.int64) == 42)
-        assert fb.__dlpack_device__()[0] in (KDLCPU, KDLCUDAHOST)
-        assert np.from_dlpack(fb).nbytes == fb.nbytes
-        with pytest.raises(BufferInUseError):
-            fb.free()
-        del a
-        gc.collect()
+def test_fallback_buffer_dlpack(fallback):
+    mm, held, fb = fallback
+    a = np.from_dlpack(fb.view("int64", (4, 4)))
+    a[:] = 42
+    assert np.all(fb.copy_to_host()[:128].view(np.int64) == 42)
+    assert fb.__dlpack_device__()[0] in (KDLCPU, KDLCUDAHOST)
+    assert np.from_dlpack(fb).nbytes == fb.nbytes
+    with pytest.raises(BufferInUseError):
         fb.free()
-        held.free()
-    finally:
-        mm.close()
+    del a
+    gc.collect()
+    fb.free()
+    held.free()
 
 
 def test_sim_buffers_have_no_dlpack(manager):

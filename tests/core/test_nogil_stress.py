@@ -30,7 +30,7 @@ import gc
 import pytest
 
 from conftest import permissive_config
-from cython_build import build_module
+from cython_build import build_extension
 from gpumem import MemoryManager
 from invariants import check
 
@@ -219,7 +219,7 @@ def start(CachingPool pool, int nthreads, long iterations, sizes, streams, unsig
 
 @pytest.fixture(scope="module")
 def harness(tmp_path_factory):
-    return build_module(tmp_path_factory.mktemp("nogil_stress"), "gm_nogil_stress", PYX)
+    return build_extension(tmp_path_factory.mktemp("nogil_stress"), PYX, "gm_nogil_stress")
 
 
 SIZES = [256, 512, 700, 2 * KiB, 4 * KiB, 6000, 16 * KiB, 64 * KiB, 200 * KiB, 2 * MiB]
