@@ -115,7 +115,9 @@ cdef _DtypeInfo _dtype_info(object dtype):
         pass
     try:
         dt = np.dtype(dtype)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, SyntaxError) as exc:
+        # SyntaxError: numpy parses the shape in a comma string such as '(2,)i4,)' as Python
+        # source (found by tests/fuzz/views.py)
         raise InvalidInputError(f"dtype {dtype!r} is not a numpy dtype ({exc})") from None
     if dt.hasobject:
         raise InvalidInputError(f"dtype {dt} holds Python objects, which raw memory cannot "

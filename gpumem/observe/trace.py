@@ -245,6 +245,12 @@ class TraceData:
         return self.select((0, min(n_events, len(self))), include_live=False)
 
 
+def _bad_extra_name(c: object) -> bool:
+    """An extra column name neither side accepts: the reader and write_trace share the rule,
+    so a trace read can always be written back (found by tests/fuzz/trace_csv.py)."""
+    return not isinstance(c, str) or not c or c in HEADER or "," in c
+
+
 def _live_at_end(ops: np.ndarray, ids: np.ndarray, sizes: np.ndarray) -> dict[int, int]:
     live: dict[int, int] = {}
     for o, i, s in zip(ops.tolist(), ids.tolist(), sizes.tolist()):
@@ -348,9 +354,10 @@ def read_trace(source: PathOrFile, *, phases: bool = True) -> TraceData:
                 f"{name}:1: bad header {brief(','.join(header))}; the first columns must be "
                 f"'{','.join(HEADER)}'")
         extra_names = cols[4:]
-        if len(set(extra_names)) != len(extra_names) or any(not c for c in extra_names):
-            raise TraceFormatError(f"{name}:1: extra column names must be unique and non-empty, "
-                                   f"got {extra_names}")
+        if len(set(extra_names)) != len(extra_names) or any(map(_bad_extra_name, extra_names)):
+            raise TraceFormatError(f"{name}:1: extra column names must be unique, non-empty, "
+                                   f"without ',' and none of {','.join(HEADER)}; got "
+                                   f"{brief(extra_names)}")
         ncols = len(cols)
         # 8 bytes a value, not a Python int each: memory stays a small multiple of the file
         t_col, id_col, size_col = array("q"), array("q"), array("q")
@@ -546,8 +553,10 @@ def write_trace(path: str | os.PathLike[str] | IO[str], events: TraceData | Iter
         names = list(extra_columns or ())
         rows = events
     for c in names:
-        if not isinstance(c, str) or not c or c in HEADER or "," in c:
-            raise InvalidInputError(f"bad extra column name {c!r}")
+        if _bad_extra_name(c) or c != c.strip():
+            raise InvalidInputError(f"bad extra column name {brief(c)}: give a non-empty str "
+                                    f"without ',' or surrounding blanks, none of "
+                                    f"{','.join(HEADER)}")
     own = not hasattr(path, "write")
     if own:
         p = os.fspath(path)  # type: ignore[arg-type]

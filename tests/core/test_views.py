@@ -93,6 +93,9 @@ def test_numpy_keeps_the_view_as_base(host):
     (dict(dtype="no-such-type"), InvalidInputError, "dtype"),
     (dict(dtype=object), InvalidInputError, "dtype"),
     (dict(dtype="S"), InvalidInputError, "no size"),
+    # numpy raises SyntaxError for these comma strings (found by tests/fuzz/views.py)
+    (dict(dtype="(2,)i4,)"), InvalidInputError, "not a numpy dtype"),
+    (dict(dtype="i4,(,)f8"), InvalidInputError, "not a numpy dtype"),
     (dict(dtype=("f4", (2,))), InvalidInputError, "sub-array"),
     (dict(offset=-1), InvalidInputError, "offset must be in"),
     (dict(offset=129), InvalidInputError, "offset must be in"),

@@ -80,6 +80,10 @@ def test_trace_may_end_with_live_buffers(tmp_path):
     ("t_ns,op,id,size\n0,a,0,8\n0,a\n", 3, "expected 4 columns"),
     ("t_ns,op,id,size\n0,a,0,8,extra\n", 2, "columns but the header has 4"),
     ("", 1, "empty file"),
+    # extra columns write_trace could not write back (found by tests/fuzz/trace_csv.py)
+    ("t_ns,op,id,size,stream,t_ns\n0,a,0,8,0,1\n", 1, "none of t_ns,op,id,size"),
+    ('t_ns,op,id,size,"a,b"\n0,a,0,8,0\n', 1, "without ','"),
+    ("t_ns,op,id,size,tag,tag\n", 1, "must be unique"),
 ])
 def test_malformed_names_file_and_line(tmp_path, text, line, words):
     p = _write(tmp_path, text, "bad.csv")
@@ -152,6 +156,16 @@ def test_write_is_deterministic(tmp_path):
     write_trace(tmp_path / "a.csv.gz", rows)
     write_trace(tmp_path / "b.csv.gz", rows)
     assert (tmp_path / "a.csv.gz").read_bytes() == (tmp_path / "b.csv.gz").read_bytes()
+
+
+@pytest.mark.parametrize("name", ["", "t_ns", "size", "a,b", " tag", 7])
+def test_write_refuses_extra_names_the_reader_would_not_read_back(tmp_path, name):
+    """Level: real. An extra column name read_trace refuses, or would read back changed (it
+    strips blanks), is refused when writing, before the file is touched."""
+    p = tmp_path / "x.csv"
+    with pytest.raises(InvalidInputError, match="bad extra column name"):
+        write_trace(p, [(0, "a", 0, 8, "x")], extra_columns=[name])
+    assert not p.exists()
 
 
 def test_write_rejects_bad_rows(tmp_path):
