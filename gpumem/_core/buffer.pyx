@@ -508,6 +508,34 @@ cdef class ManagerCore(ManagerBase):
         raise TypeError(f"free() takes a gpumem Buffer, got {type(buffer).__name__}")
 
 
+@cython.binding(False)
+def _pyopencl_buffer(ManagerCore core, uint64_t stream, object from_int_ptr, object slow,
+                     object nbytes):
+    """The body of gpumem.integrations.pyopencl's allocator (a functools.partial of it): a
+    new ``pyopencl.Buffer`` on the block's cached sub-buffer (retained: its death, not the
+    shared sub-buffer's, returns the block, which it carries). A plain device allocation of a
+    positive size runs here with no Python frame; anything else (a bad size, a block in host
+    memory) goes to ``slow(nbytes[, host_buffer])``, which raises the errors."""
+    cdef long long n = -1
+    cdef int overflow = 0
+    cdef size_t cl_mem
+    cdef NativeCache cache = core._native_cache
+    if type(nbytes) is int:
+        n = PyLong_AsLongLongAndOverflow(nbytes, &overflow)
+    if overflow or not 0 < n < _SIZE_TOO_BIG or cache is None:
+        return slow(nbytes)
+    buf = core._malloc_c(n, stream, None)
+    if type(buf) is not Buffer:
+        return slow(nbytes, buf)
+    cl_mem = cache.find_int_ptr((<Buffer>buf)._ptr, <size_t>n)
+    if cl_mem == 0:
+        sub = (<Buffer>buf).native     # a miss: the device creates and caches the sub-buffer
+        cl_mem = cache.find_int_ptr((<Buffer>buf)._ptr, <size_t>n) or sub.int_ptr
+    mem = from_int_ptr(cl_mem, True)
+    mem._gpumem_buffer = buf
+    return mem
+
+
 cdef class PlacementCore:
     """The hot path of gpumem.MultiDeviceManager: "most free usable memory" read from each
     pool's C counters, then that manager's malloc, with no Python frame in between. Anything
