@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The stress test of tests/test_stress.py at scale (not part of the default test run):
+# The stress test of tests/manager/test_stress.py at scale (not part of the default test run):
 # 8 threads on one manager of a host-backed simulated GPU, patterns checked before every
 # free, in four configurations: driver faults with CPU fallback on and off, and near-100 %
 # pressure with fallback on and off; then the faults and pressure runs again with expandable

@@ -17,15 +17,15 @@ from gpumem.errors import (BackendUnavailableError, BufferInUseError, ClosedMana
                            ForeignBufferError, GpuMemoryError, GpumemWarning, InvalidDeviceError,
                            InvalidInputError, OutOfMemoryError, TraceFormatError,
                            UnknownSettingWarning, UnsupportedOperationError)
-from gpumem.batch import BufferBatch, allocate_batch, warmup
-from gpumem.estimate import (MODEL_PRESETS, MemoryEstimate, estimate_inference_memory,
+from gpumem.manager.batch import BufferBatch, allocate_batch, warmup
+from gpumem.planning.estimate import (MODEL_PRESETS, MemoryEstimate, estimate_inference_memory,
                              estimate_model)
-from gpumem.fallback import FallbackBuffer
-from gpumem.manager import MemoryManager
-from gpumem.multi import MultiDeviceManager
-from gpumem.pressure import MemoryPressure
-from gpumem.selection import select_backend_for_model
-from gpumem.shared import configure, get_manager
+from gpumem.manager.fallback import FallbackBuffer
+from gpumem.manager.memory_manager import MemoryManager
+from gpumem.placement.multi import MultiDeviceManager
+from gpumem.manager.pressure import MemoryPressure
+from gpumem.placement.selection import select_backend_for_model
+from gpumem.placement.shared import configure, get_manager
 from gpumem.stats import MemoryStats
 from gpumem.units import format_bytes, parse_size
 
@@ -51,25 +51,30 @@ __all__ = [
 
 # --- seeing memory: loaded on first use, so "import gpumem" stays light (no csv, gzip, plots)
 _LAZY = {
-    "replay": ("gpumem.replay", None),          # the module, callable: gpumem.replay(trace, ...)
-    "ReplayResult": ("gpumem.replay", "ReplayResult"),
-    "read_trace": ("gpumem.trace", "read_trace"),
-    "write_trace": ("gpumem.trace", "write_trace"),
-    "TraceData": ("gpumem.trace", "TraceData"),
-    "take_snapshot": ("gpumem.snapshot", "take_snapshot"),
-    "save_snapshot": ("gpumem.snapshot", "save_snapshot"),
-    "load_snapshot": ("gpumem.snapshot", "load_snapshot"),
-    "AllocationTracker": ("gpumem.tracking", "AllocationTracker"),
-    "BufferMetadata": ("gpumem.tracking", "BufferMetadata"),
-    "HistoryRecorder": ("gpumem.history", "HistoryRecorder"),
-    "Measurement": ("gpumem.measure", "Measurement"),
-    "MeasuredStats": ("gpumem.measure", "MeasuredStats"),
-    "read_torch_snapshot": ("gpumem.torch_snapshot", "read_torch_snapshot"),
-    "export_memory_viz": ("gpumem.torch_snapshot", "export_memory_viz"),
-    "estimate_training_memory": ("gpumem.estimate_training", "estimate_training_memory"),
-    "TrainingEstimate": ("gpumem.estimate_training", "TrainingEstimate"),
-    "dump_on_oom": ("gpumem.history", "dump_on_oom"),
-    "pool_trace": ("gpumem.history", "pool_trace"),
+    "replay": ("gpumem.observe.replay", None),          # the module, callable: gpumem.replay(trace, ...)
+    "ReplayResult": ("gpumem.observe.replay", "ReplayResult"),
+    "read_trace": ("gpumem.observe.trace", "read_trace"),
+    "write_trace": ("gpumem.observe.trace", "write_trace"),
+    "TraceData": ("gpumem.observe.trace", "TraceData"),
+    "take_snapshot": ("gpumem.observe.snapshot", "take_snapshot"),
+    "save_snapshot": ("gpumem.observe.snapshot", "save_snapshot"),
+    "load_snapshot": ("gpumem.observe.snapshot", "load_snapshot"),
+    "AllocationTracker": ("gpumem.observe.tracking", "AllocationTracker"),
+    "BufferMetadata": ("gpumem.observe.tracking", "BufferMetadata"),
+    "HistoryRecorder": ("gpumem.observe.history", "HistoryRecorder"),
+    "Measurement": ("gpumem.manager.measure", "Measurement"),
+    "MeasuredStats": ("gpumem.manager.measure", "MeasuredStats"),
+    "read_torch_snapshot": ("gpumem.observe.torch_snapshot", "read_torch_snapshot"),
+    "export_memory_viz": ("gpumem.observe.torch_snapshot", "export_memory_viz"),
+    "estimate_training_memory": ("gpumem.planning.estimate_training", "estimate_training_memory"),
+    "TrainingEstimate": ("gpumem.planning.estimate_training", "TrainingEstimate"),
+    "TorchAllocatorModel": ("gpumem.planning.torch_model", "TorchAllocatorModel"),
+    "replay_torch_model": ("gpumem.planning.torch_replay", "replay_torch_model"),
+    "TorchReplayResult": ("gpumem.planning.torch_replay", "TorchReplayResult"),
+    "tune": ("gpumem.planning.tune", "tune"),
+    "TuneResult": ("gpumem.planning.tune", "TuneResult"),
+    "dump_on_oom": ("gpumem.observe.history", "dump_on_oom"),
+    "pool_trace": ("gpumem.observe.history", "pool_trace"),
 }
 
 

@@ -32,7 +32,7 @@ OTHER_VARIABLES = frozenset({
     "GPUMEM_VENV",              # ci scripts
     "GPUMEM_CBENCH_DIR",        # benchmarks
     "GPUMEM_DEVICE",            # the default device (gpumem.default_device, get_manager)
-    "GPUMEM_DUMP_ON_OOM",       # history and snapshot dumps on OOM (gpumem.history)
+    "GPUMEM_DUMP_ON_OOM",       # history and snapshot dumps on OOM (gpumem.observe.history)
     "GPUMEM_TEST_DEVICES",      # the pytest plug-in (gpumem.testing)
     "GPUMEM_TEST_EXPANDABLE_SEGMENTS",  # tests: the suite with expandable segments on
     "GPUMEM_FRAMEWORK_EXTRAS",  # ci/gpu.sh

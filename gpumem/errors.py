@@ -35,7 +35,7 @@ class OutOfMemoryError(GpuMemoryError, MemoryError):
     out-of-memory from fragmentation (``largest_free_block`` far below ``cached``).
     ``history``: the pool's alloc/free events up to the failure (to the history clock's tick,
     a few ms) as a
-    ``gpumem.trace.TraceData`` (None when the pool's history is off). It is built on first
+    ``gpumem.observe.trace.TraceData`` (None when the pool's history is off). It is built on first
     access, so code that catches OutOfMemoryError and retries pays nothing for it.
     ``dump_files``: (trace, snapshot) paths when :func:`gpumem.dump_on_oom` or
     ``GPUMEM_DUMP_ON_OOM`` asked for a dump.

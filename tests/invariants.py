@@ -5,7 +5,7 @@ one heap are merged, size-class lists and bitmaps agree, counters equal a recoun
 checks from Python what a user can see:
 
 - no two live blocks overlap, no two segments overlap, every block lies in its segment;
-- ``MemoryStats``: ``total_allocated_bytes == in_use_bytes + pooled_bytes`` and each field equals
+- ``MemoryStats``: ``reserved_bytes == in_use_bytes + cached_bytes`` and each field equals
   a recount over ``pool.segments()``;
 - with ``live=`` (the buffers the test holds): ``active_buffers`` equals the number still alive,
   and each device buffer is a live block of the pool at its own address and size;
@@ -202,7 +202,7 @@ def check(manager: Any, live: Iterable[Any] | None = None) -> None:
     for (a0, a1, ha), (b0, b1, hb) in zip(seg_ranges, seg_ranges[1:]):
         assert a1 <= b0, f"segments {ha:#x} [{a0:#x},{a1:#x}) and {hb:#x} [{b0:#x},{b1:#x}) overlap"
     assert len({s["handle"] for s in segs}) == len(segs), "two segments share a handle"
-    reserved = in_use = requested = pooled = largest = nlive = 0
+    reserved = in_use = requested = cached = largest = nlive = 0
     ids = set()
     for s in segs:
         reserved += s["size"]
@@ -220,7 +220,7 @@ def check(manager: Any, live: Iterable[Any] | None = None) -> None:
                 assert b["id"] not in ids, f"two live blocks share id {b['id']}"
                 ids.add(b["id"])
             else:
-                pooled += b["size"]
+                cached += b["size"]
                 largest = max(largest, b["size"])
         assert end == s["size"], f"segment {s['handle']:#x}: blocks cover {end} of {s['size']}"
     ranges = live_ranges(manager)
@@ -229,11 +229,11 @@ def check(manager: Any, live: Iterable[Any] | None = None) -> None:
 
     # stats ------------------------------------------------------------------------------------
     st = manager.stats()
-    assert st.total_allocated_bytes == st.in_use_bytes + st.pooled_bytes, st
-    assert st.total_allocated_bytes == reserved, (st.total_allocated_bytes, reserved)
+    assert st.reserved_bytes == st.in_use_bytes + st.cached_bytes, st
+    assert st.reserved_bytes == reserved, (st.reserved_bytes, reserved)
     assert st.in_use_bytes == in_use, (st.in_use_bytes, in_use)
     assert st.requested_bytes == requested, (st.requested_bytes, requested)
-    assert st.pooled_bytes == pooled, (st.pooled_bytes, pooled)
+    assert st.cached_bytes == cached, (st.cached_bytes, cached)
     assert st.largest_free_block == largest, (st.largest_free_block, largest)
     assert st.num_segments == len(segs), (st.num_segments, len(segs))
     assert st.num_allocs - st.num_frees == nlive, (st.num_allocs, st.num_frees, nlive)
@@ -241,8 +241,8 @@ def check(manager: Any, live: Iterable[Any] | None = None) -> None:
     pending = getattr(manager, "pending_free_count", 0)
     nlive -= pending
     assert 0 <= getattr(manager, "pending_free_bytes", 0) <= st.in_use_bytes
-    assert st.peak_bytes >= st.in_use_bytes
-    assert st.peak_reserved_bytes >= st.total_allocated_bytes
+    assert st.peak_in_use_bytes >= st.in_use_bytes
+    assert st.peak_reserved_bytes >= st.reserved_bytes
     assert st.segments_created - st.segments_released == st.num_segments, st
     assert st.active_buffers >= nlive
     assert 0.0 <= st.hit_rate() <= 1.0

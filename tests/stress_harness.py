@@ -1,6 +1,6 @@
 """A multi-threaded stress run of one MemoryManager on a host-backed simulated device.
 
-Used twice: briefly by tests/test_stress.py (in the suite) and at scale by ci/soak.sh
+Used twice: briefly by tests/manager/test_stress.py (in the suite) and at scale by ci/soak.sh
 (``python tests/stress_harness.py --ops 1000000 ...``).
 
 Eight threads share one manager:

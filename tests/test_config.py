@@ -65,7 +65,7 @@ def test_constrained_preset_caps_the_cache(sim_device):
         bufs = [mm.malloc(30 * MiB) for _ in range(12)]
         for b in bufs:
             b.free()
-            assert mm.stats().pooled_bytes <= 256 * MiB
+            assert mm.stats().cached_bytes <= 256 * MiB
         check(mm, [])
 
 

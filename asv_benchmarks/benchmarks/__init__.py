@@ -105,7 +105,7 @@ class Trace:
 
 def read_trace(name_or_path) -> Trace:
     """Read a ``t_ns,op,id,size`` CSV (.gz or plain): our own reader, independent of
-    gpumem.trace. A free repeats the size of its allocation."""
+    gpumem.observe.trace. A free repeats the size of its allocation."""
     path = Path(name_or_path)
     if not path.suffix:
         path = traces_dir() / f"{name_or_path}.csv.gz"
@@ -250,7 +250,7 @@ def sim_manager(track: bool = False, **config):
     cfg = MemoryConfig(track_allocations=track, **config)
     try:
         return MemoryManager(sim_device_string(), cfg)
-    except ImportError as exc:          # gpumem.tracking not there (yet)
+    except ImportError as exc:          # gpumem.observe.tracking not there (yet)
         raise NotImplementedError(f"tracking unavailable: {exc}") from exc
 
 

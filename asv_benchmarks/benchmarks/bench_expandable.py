@@ -1,5 +1,5 @@
 """Expandable segments off vs on, each trace of gpumem/data/traces replayed with
-:func:`gpumem.replay` on a fresh sim:80GiB under the default, constrained and inference presets
+:func:`gpumem.observe.replay` on a fresh sim:80GiB under the default, constrained and inference presets
 (peers in one run: the ``expandable`` parameter).
 
 - ``track_physical_over_live``: peak physical bytes (the pool's peak reserved bytes; with
@@ -8,8 +8,8 @@
 - ``track_events_per_second``: replay speed, events/s, of the same replay.
 - ``time_replay``: the replay itself, timed by asv.
 """
-from gpumem.replay import replay, replay_config
-from gpumem.trace import read_trace
+from gpumem.observe.replay import replay, replay_config
+from gpumem.observe.trace import read_trace
 
 from . import trace_names, traces_dir
 

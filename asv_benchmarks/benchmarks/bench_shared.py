@@ -9,7 +9,7 @@ from . import KiB, sim_device_string
 class SharedManager:
     def setup(self):
         import gpumem
-        from gpumem.shared import close_shared_managers
+        from gpumem.placement.shared import close_shared_managers
         close_shared_managers()
         self.device = sim_device_string()
         self.mm = gpumem.get_manager(self.device)
@@ -17,7 +17,7 @@ class SharedManager:
         self.mm.free(self.mm.malloc(4 * KiB))
 
     def teardown(self):
-        from gpumem.shared import close_shared_managers
+        from gpumem.placement.shared import close_shared_managers
         close_shared_managers()
 
     def time_get_manager_repeat(self):

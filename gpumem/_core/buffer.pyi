@@ -3,7 +3,7 @@ from typing import Any
 from gpumem._core.manager_base import ManagerBase
 from gpumem._core.view import BufferView
 from gpumem.backends.base import Device
-from gpumem.fallback import FallbackBuffer
+from gpumem.manager.fallback import FallbackBuffer
 
 class Buffer:
     ptr: int

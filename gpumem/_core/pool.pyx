@@ -386,7 +386,7 @@ cdef class CachingPool:
         return 0
 
     # --- expandable segments (virtual memory: pages mapped and unmapped) ----------------------
-    # The manager (gpumem/expandable.py) maps pages, then tells the pool (grow_segment_and_alloc,
+    # The manager (gpumem/manager/expandable.py) maps pages, then tells the pool (grow_segment_and_alloc,
     # fill_unmapped); or has the pool mark free pages unmapped (carve_free_pages), then unmaps
     # them. The unmapped state itself is in pool_pages.pyx. A segment's blocks may sit in other
     # streams' heaps (reclaim_idle moves them), so a free block at offset 0 need not be the
@@ -525,13 +525,15 @@ cdef class CachingPool:
         return pool_segments.live_segment_handles(self._p)
 
     # --- statistics ---------------------------------------------------------------------------
-    def counters(self, bint consistent=False) -> dict:
+    def counters(self, bint consistent=False):          # a PoolCounters: a dict subclass
         """Every counter, as the user sees them (blocks in front caches are cached, not in use;
         ``peak_in_use_bytes`` counts them as in use, so it may exceed the true peak by at most
         what the front caches hold). By default read without the locks (each value exact
         unless a block moves between a front cache and the pool meanwhile, the set not one
         moment); with consistent=True copied under the locks, one moment, together with
-        ``largest_free_block``."""
+        ``largest_free_block``. Keys: gpumem.stats' vocabulary (``reserved_bytes``,
+        ``in_use_bytes``, ``cached_bytes``, ``pool_hits``...; docs/statistics.md); the old
+        ``hits``/``misses`` still read, with a DeprecationWarning."""
         return pool_inspect.counters(self._p, consistent)
 
 
@@ -553,7 +555,7 @@ cdef class CachingPool:
     def peak_reserved_bytes(self) -> int:
         return self._p.stats.peak_reserved_bytes.load()
 
-    # --- fork (gpumem.peers runs these from os.register_at_fork) --------------------------------
+    # --- fork (gpumem.placement.peers runs these from os.register_at_fork) --------------------------------
     def _hold_for_fork(self) -> None:
         """Take every lock of the pool (its front caches', then its own) just before fork(),
         so that no other thread is halfway through an update in the child's copy, and the

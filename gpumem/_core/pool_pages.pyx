@@ -1,6 +1,6 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
 # distutils: language = c++
-"""The pool's unmapped state, for expandable segments (gpumem/expandable.py).
+"""The pool's unmapped state, for expandable segments (gpumem/manager/expandable.py).
 
 An expandable segment is a reserved address range whose pages the manager maps and unmaps. A
 block whose pages are unmapped has ``heap_index == GM_UNMAPPED``: it is in no heap, not live,

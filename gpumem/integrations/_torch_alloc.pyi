@@ -1,6 +1,6 @@
 """Type stubs for the torch allocator extension (see _torch_alloc.pyx). The two C entry points,
 gpumem_torch_alloc and gpumem_torch_free, are not Python callables."""
-from gpumem.manager import MemoryManager
+from gpumem.manager.memory_manager import MemoryManager
 
 def bind(manager: MemoryManager, device: int) -> None: ...
 def unbind(device: int) -> None: ...

@@ -51,6 +51,7 @@ import warnings
 
 from gpumem._core.buffer import Buffer, ManagerCore
 from gpumem.errors import InvalidInputError, OutOfMemoryError
+from gpumem.stats import StatsDict
 
 cdef extern from "Python.h":
     ctypedef struct PyThreadState
@@ -416,15 +417,26 @@ def live_blocks(device=None) -> int:
     return 0 if c == NULL else c.live.load()
 
 
-def counters() -> dict:
-    """What the entry points did since the process started: hits served without the GIL,
-    requests served through Python, frees by path, and what was refused or not understood."""
-    return {"hits": _hits.load(), "through_python": _misses.load(), "frees": _frees.load(),
-            "python_frees": _python_frees.load(), "ooms": _ooms.load(),
-            "fallbacks_refused": _fallbacks_refused.load(),
-            "unknown_frees": _unknown_frees.load(), "bad_frees": _bad_frees.load(),
-            "bad_requests": _bad_requests.load(), "errors": _errors.load(),
-            "dropped_at_exit": _dropped_at_exit.load()}
+class TorchCounters(StatsDict):
+    """:func:`counters`: gpumem.stats' vocabulary where a figure has a name there; the names
+    used before still read, with a DeprecationWarning."""
+    what = "gpumem.integrations.torch.counters()"
+    renamed = {"hits": "nogil_allocs", "frees": "nogil_frees", "ooms": "num_ooms"}
+
+
+def counters():                          # a TorchCounters: a dict subclass
+    """What the entry points did since the process started: requests served (``num_allocs``:
+    without the GIL, ``nogil_allocs``, or through Python) and frees (``num_frees``, by path),
+    ``num_ooms``, and what was refused or not understood."""
+    nogil_allocs, through_python = _hits.load(), _misses.load()
+    nogil_frees, python_frees = _frees.load(), _python_frees.load()
+    return TorchCounters(
+        num_allocs=nogil_allocs + through_python, num_frees=nogil_frees + python_frees,
+        num_ooms=_ooms.load(), nogil_allocs=nogil_allocs, through_python=through_python,
+        nogil_frees=nogil_frees, python_frees=python_frees,
+        fallbacks_refused=_fallbacks_refused.load(), unknown_frees=_unknown_frees.load(),
+        bad_frees=_bad_frees.load(), bad_requests=_bad_requests.load(), errors=_errors.load(),
+        dropped_at_exit=_dropped_at_exit.load())
 
 
 def _at_exit() -> None:

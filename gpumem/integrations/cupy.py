@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from gpumem.errors import InvalidInputError
 
 if TYPE_CHECKING:
-    from gpumem.manager import MemoryManager
+    from gpumem.manager.memory_manager import MemoryManager
 
 __all__ = ["allocator", "pinned_allocator", "use_gpumem", "GpumemCupyAllocator",
            "GpumemPinnedAllocator"]

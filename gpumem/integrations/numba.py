@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 from gpumem.errors import InvalidInputError
 
 if TYPE_CHECKING:
-    from gpumem.manager import MemoryManager
+    from gpumem.manager.memory_manager import MemoryManager
 
 __all__ = ["GpumemNumbaManager", "use_gpumem", "manager_for_device"]
 
@@ -152,7 +152,7 @@ def _build_plugin_class() -> type:
             mm = self.manager
             driver_free, total = mm.memory_info()
             stats = mm.stats()
-            free = min(driver_free + stats.pooled_bytes,
+            free = min(driver_free + stats.cached_bytes,
                        max(0, mm.usable_memory - stats.in_use_bytes))
             return MemoryInfo(free=free, total=total)
 

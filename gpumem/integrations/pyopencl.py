@@ -21,7 +21,7 @@ Run the arrays' kernels on ``alloc.queue`` (``manager.device.queue(stream)``), a
 fits into an existing pyopencl program instead of owning the context.
 
 Thread safety: an allocator holds no mutable state; each call goes through the manager's
-``malloc``, whose contract is in ``gpumem.manager``.
+``malloc``, whose contract is in ``gpumem.manager.memory_manager``.
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ from typing import Any
 from gpumem._core.buffer import Buffer, _pyopencl_buffer
 from gpumem.config import MemoryConfig
 from gpumem.errors import InvalidInputError, OutOfMemoryError
-from gpumem.manager import MemoryManager
+from gpumem.manager.memory_manager import MemoryManager
 
 __all__ = ["PyOpenCLAllocator", "allocator", "open_manager"]
 
@@ -105,7 +105,7 @@ def _default_manager() -> MemoryManager:
     OpenCL device, else of ``opencl:0``."""
     from gpumem.backends import default_device
     from gpumem.errors import InvalidDeviceError
-    from gpumem.shared import get_manager
+    from gpumem.placement.shared import get_manager
     try:
         device = default_device()
     except InvalidDeviceError:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from gpumem.errors import InvalidInputError
 
 if TYPE_CHECKING:
-    from gpumem.manager import MemoryManager
+    from gpumem.manager.memory_manager import MemoryManager
 
 __all__ = ["ALLOC_SYMBOL", "FREE_SYMBOL", "TorchAllocatorError", "library_path", "bind",
            "allocator", "use_gpumem", "counters", "live_blocks"]
@@ -92,11 +92,14 @@ def use_gpumem(manager: "MemoryManager | None" = None) -> Any:
 
 
 def counters() -> dict[str, int]:
-    """What the C entry points did in this process: ``hits`` (served without the GIL),
-    ``through_python`` (misses, first use of a stream, observers on), ``frees``/``python_frees``,
-    ``ooms``, ``fallbacks_refused`` (CPU fallback memory cannot back a CUDA tensor),
-    ``unknown_frees`` (pointers gpumem did not hand out), ``bad_frees``, ``bad_requests``,
-    ``errors``, ``dropped_at_exit``."""
+    """What the C entry points did in this process, in gpumem.stats' vocabulary
+    (docs/statistics.md): ``num_allocs`` requests served, of which ``nogil_allocs`` from the
+    pool without the GIL (pool hits) and ``through_python`` the rest (misses, first use of a
+    stream, observers on: hits or misses, see the bound manager's ``stats().pool_hits``);
+    ``num_frees`` (``nogil_frees`` + ``python_frees``), ``num_ooms``, ``fallbacks_refused``
+    (CPU fallback memory cannot back a CUDA tensor), ``unknown_frees`` (pointers gpumem did
+    not hand out), ``bad_frees``, ``bad_requests``, ``errors``, ``dropped_at_exit``. The old
+    keys ``hits``, ``frees``, ``ooms`` still read, with a DeprecationWarning."""
     return _native().counters()
 
 

@@ -39,7 +39,7 @@ def shared_managers_on(device_strings: Any) -> list[Any]:
     """The open shared managers (``gpumem.get_manager``) of these devices; none where this
     gpumem has no shared managers."""
     try:
-        from gpumem.shared import shared_managers
+        from gpumem.placement.shared import shared_managers
     except ImportError:
         return []
     wanted = set(device_strings)

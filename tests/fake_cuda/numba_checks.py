@@ -1,5 +1,5 @@
 """Numba's own CUDA driver layer (numba-cuda, over cuda.core and cuda.bindings) on the fake
-libcuda.so.1, allocating through gpumem's EMM plugin. Run by tests/test_numba_plugin.py in a
+libcuda.so.1, allocating through gpumem's EMM plugin. Run by tests/integrations/test_numba_plugin.py in a
 child process whose LD_LIBRARY_PATH points at the fake; prints ``PASS <name>`` per check and
 exits non-zero at the first failure (with the traceback).
 
@@ -98,7 +98,7 @@ def main() -> int:
         assert mm.stats().in_use_bytes >= 3 * MiB
         cuda.current_context().memory_manager.reset()
         stats = mm.stats()
-        assert stats.in_use_bytes == 0 and stats.total_allocated_bytes == 0, stats
+        assert stats.in_use_bytes == 0 and stats.reserved_bytes == 0, stats
         del keep
         gc.collect()                                   # its finalizer finds nothing to free
         assert mm.stats().num_frees == stats.num_frees

@@ -1,0 +1,95 @@
+"""Plumbing shared by the ``gpumem`` command's subcommands (gpumem.cli, gpumem.cli.demo):
+exit statuses, the one-line error, where the report goes, and the trace helpers.
+
+Thread safety: the CLI runs in one thread; ``report_to_stderr`` is set by ``gpumem.cli.main``
+for the length of one command.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+__all__ = ["DEMO_TRACE", "write_json", "EXIT_OK", "EXIT_ERROR", "EXIT_USAGE", "EXIT_OOM", "CliError", "Parser",
+           "say", "json_out", "fmt_bytes", "load_trace", "progress_for", "replay_cfg"]
+
+#: the small trace shipped with gpumem: step 1 of resnet50_train from data/traces (buffers
+#: live at the start of the step allocated first, everything freed at the end)
+DEMO_TRACE = Path(__file__).resolve().parents[1] / "data" / "resnet50_train_step1.csv.gz"
+
+EXIT_OK = 0
+EXIT_ERROR = 1
+EXIT_USAGE = 2
+EXIT_OOM = 2
+#: traces at least this long get a progress bar when stderr is a terminal
+PROGRESS_MIN_EVENTS = 200_000
+
+
+class CliError(Exception):
+    """A failure to report as one line, with its exit status."""
+
+    def __init__(self, message: str, status: int = EXIT_ERROR) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        hint = f" (see '{self.prog} --help')"
+        raise CliError(f"{message}{hint}", EXIT_USAGE)
+
+
+#: where the human-readable report goes: stdout, or stderr while stdout carries JSON
+report_to_stderr = False
+
+
+def say(text: str = "") -> None:
+    """A line of the report (stderr when the command writes JSON to stdout)."""
+    print(text, file=sys.stderr if report_to_stderr else sys.stdout)
+
+
+def json_out(obj: Any) -> None:
+    """JSON on stdout, newline-terminated."""
+    sys.stdout.write(json.dumps(obj, indent=1) + "\n")
+
+
+def fmt_bytes(n: float) -> str:
+    from gpumem.units import format_bytes
+    return format_bytes(n)
+
+
+
+
+def load_trace(trace: str) -> Any:
+    from gpumem.observe.trace import read_trace
+    if trace == "demo":
+        return read_trace(DEMO_TRACE)
+    return read_trace(trace)
+
+
+def progress_for(n_events: int, flag: bool | None) -> bool:
+    if flag is not None:
+        return flag
+    return n_events >= PROGRESS_MIN_EVENTS and sys.stderr.isatty()
+
+
+def replay_cfg(args: argparse.Namespace) -> Any:
+    """The --config preset, with expandable segments when --expandable-segments is given."""
+    if not getattr(args, "expandable_segments", False):
+        return args.config
+    from gpumem.observe.replay import replay_config
+    return replay_config(args.config).replace(expandable_segments=True)
+
+
+def write_json(obj: Any, dest: str) -> None:
+    if dest == "-":
+        json_out(obj)
+        return
+    text = json.dumps(obj, indent=1)
+    try:
+        Path(dest).write_text(text + "\n", encoding="utf-8")
+    except OSError as exc:
+        raise CliError(f"cannot write {dest}: {exc.strerror or exc}") from None
+    say(f"wrote {dest}")

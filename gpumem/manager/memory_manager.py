@@ -1,0 +1,558 @@
+"""MemoryManager: one device, one caching pool, and everything around the hot path.
+
+The hot path (a cache hit, a free) is `ManagerCore.malloc/free` in Cython. This module holds
+the manager's state, limits, cache control, statistics, pressure responses and the hooks
+tracking and history recording attach to; the miss path (the OOM ladder, segments, CPU
+fallback) is `gpumem.manager.miss_path.MissPath` and stream bookkeeping `gpumem.manager.stream_book.StreamBook`,
+both mixed into MemoryManager.
+
+Thread safety (the whole contract: docs/concurrency.md): every public method may be called from
+any thread. ``_slow`` (an RLock, owned by the manager) serialises the miss path, stream
+bookkeeping and close(); the hot path takes only the pool's C lock. Destroyed streams are
+learnt from the device's listener and refused from then on.
+
+Tracking and history recording keep per-buffer state only for tagged buffers: ``_tags`` (id ->
+tag, owned by the manager) gets one dict store from the alloc path under the GIL, and
+``_prune_tags`` only deletes ids of freed buffers, so a store racing it is never lost. The list
+of running recorders (``_recorders``) is guarded by ``_slow``; the address log (``_wrap``'s C
+stores) is written and replaced only with the GIL held.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+import warnings
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
+
+from gpumem._core.buffer import Buffer, ManagerCore
+from gpumem._core.pool import CachingPool
+from gpumem.placement import peers
+from gpumem.backends import Device, default_device, open_device
+from gpumem.config import MAX_BYTES, MemoryConfig
+from gpumem.errors import ClosedManagerError, ForeignBufferError, InvalidInputError
+from gpumem.manager.expandable import ExpandableSegments
+from gpumem.manager.fallback import FallbackBuffer
+from gpumem.manager.measure import manager_peaks
+from gpumem.manager.miss_path import MissPath
+from gpumem.manager.pressure import MemoryPressure, PressureCallback, pressure_level
+from gpumem.stats import MemoryStats
+from gpumem.manager.stream_book import StreamBook
+from gpumem.units import format_bytes, parse_size
+
+if TYPE_CHECKING:
+    from gpumem.manager.batch import BufferBatch
+    from gpumem.observe.history import HistoryRecorder
+    from gpumem.manager.measure import Measurement, PeakWindows
+
+__all__ = ["MemoryManager", "OomCallback"]
+
+log = logging.getLogger("gpumem")
+
+#: with expandable segments, large blocks are split when at least this much would remain
+#: (1 MiB otherwise): on the shared traces it lowers peak reserved/live by up to 0.02
+EXPANDABLE_SPLIT_MIN = 64 << 10
+
+#: called as ``callback(manager, requested_bytes)`` when a request cannot be served; it may
+#: free memory, after which the request is retried once.
+OomCallback = Callable[["MemoryManager", int], None]
+
+
+def _byte_count(value: Any, what: str) -> int:
+    """A byte count in [0, MAX_BYTES] from an int (numpy integers accepted) or a string such
+    as ``"1GiB"``, else a specific error naming `what`."""
+    if isinstance(value, str):
+        value = parse_size(value, what=what)
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise InvalidInputError(f"{what} must be an int >= 0 or a size string such as '1GiB', "
+                                f"got {type(value).__name__} {value!r}")
+    value = int(value)
+    if value < 0:
+        raise InvalidInputError(f"{what} must be >= 0, got {value}")
+    if value > MAX_BYTES:
+        raise InvalidInputError(f"{what} must be <= 2**62 (4 EiB), got {value}")
+    return value
+
+
+class MemoryManager(StreamBook, MissPath, ManagerCore):
+    """Allocates device memory through a caching pool.
+
+    >>> mm = MemoryManager("sim:0")
+    >>> with mm.malloc(1 << 20, tag="weights") as buf:
+    ...     buf.nbytes
+    1048576
+    """
+
+    def __init__(self, device: str | Device | None = None,
+                 config: MemoryConfig | None = None) -> None:
+        """``device``: a device string (``"cuda:0"``, ``"opencl:0"``, ``"cpu"``, ``"sim:0"``,
+        ``"sim:80GiB"``) or an opened Device; None: ``gpumem.backends.default_device()`` (a
+        real accelerator, never an uninstalled simulated device)."""
+        if device is None:
+            device = default_device()
+        if config is None:
+            config = MemoryConfig.from_env()
+        elif not isinstance(config, MemoryConfig):
+            raise InvalidInputError(
+                f"config must be a MemoryConfig (or None), got {type(config).__name__}")
+        dev = open_device(device) if isinstance(device, str) else device
+        if not isinstance(dev, Device):
+            raise InvalidInputError(
+                f"device must be a device string such as 'sim:0' or a Device, got {device!r}")
+        props = dev.properties()
+        free, total = dev.mem_get_info()
+        expandable = config.expandable_segments and dev.supports_virtual_memory
+        pool = CachingPool(
+            granularity=max(config.granularity, props.alignment),
+            small_size=config.small_size, small_segment=config.small_segment,
+            large_segment=config.large_segment, large_threshold=config.large_threshold,
+            large_round=config.large_round,
+            # max_split_size keeps big cached segments whole; an expandable segment returns
+            # its surplus page by page instead, and unsplittable holes in it would only grow it
+            max_split_size=None if expandable else config.max_split_size,
+            # in one growing segment a remainder too small to split stays inside the block
+            # for good: split down to EXPANDABLE_SPLIT_MIN (slivers merge back on free)
+            large_split_min=(min(config.large_split_min, EXPANDABLE_SPLIT_MIN) if expandable
+                             else config.large_split_min),
+            oversize_slack=config.oversize_slack)
+        self._core_init(pool, dev, dev.device_string)
+        self.config = config
+        self.total_memory = total
+        reserve = config.reserve_bytes
+        if reserve is None:
+            reserve = dev.recommended_reserve(total)
+        self.usable_memory = max(0, min(int(total * config.gpu_memory_fraction), total - reserve))
+        self._max_pool_size = config.max_pool_size
+        self._set_limits(self.usable_memory, config.max_pool_size)
+        self._slow = threading.RLock()
+        self._oom_callbacks: list[OomCallback] = []
+        self._pressure_callbacks: list[PressureCallback] = []
+        self._pressure = MemoryPressure.LOW
+        self._observers: list[Any] = []
+        self._recorders: list[HistoryRecorder] = []    # running; guarded by _slow
+        self._history_before_recording: int | None = None
+        self._tags = None
+        self._tags_limit = 4096
+        self._address_capacity = 0
+        self._num_ooms = 0
+        self._cpu_fallbacks = 0
+        self._fallback_bytes = 0
+        self._fallback_live = 0
+        self._host: MemoryManager | None = None
+        self._streams: set[int] = {0}
+        # destroyed streams whose pending work may not have finished yet: their cached blocks go
+        # to other streams only after a synchronize (guarded by _slow)
+        self._unsynced_dead: set[int] = set()
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._frag_warned = False
+        self._peak_windows: PeakWindows | None = None     # made by the first measure()
+        self._expandable = ExpandableSegments(self) if expandable else None
+        self._fallback_warned = False             # the first fallback warns (CpuFallbackWarning)
+        self.tracker = None
+        if config.track_allocations:
+            from gpumem.observe.tracking import AllocationTracker
+            self.tracker = AllocationTracker(self, capture_stacks=config.track_stacks)
+            if self.tracker.reads_pool:
+                self._keep_buffer_state()       # tags only: the pool knows the rest
+            else:
+                self.add_observer(self.tracker)   # stacks: captured per buffer
+        dev.add_stream_listener(self._on_stream_destroyed)
+        peers.register(self)
+
+    # --- properties -----------------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` has run."""
+        return self._closed
+
+    def memory_info(self) -> tuple[int, int]:
+        """``(free, total)`` bytes of the device, from the driver."""
+        return self.device.mem_get_info()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"{format_bytes(self.pool.reserved_bytes)} reserved"
+        return f"<gpumem.MemoryManager {self.device_string}, {state}>"
+
+    def __enter__(self) -> "MemoryManager":
+        return self
+
+    def __exit__(self, *exc: Any) -> bool:
+        self.close()
+        return False
+
+    # --- observers (tracking, history) ------------------------------------------------------
+    def add_observer(self, observer: Any) -> None:
+        """Call ``observer.on_alloc(buf)`` / ``observer.on_free(buf)`` for every buffer. With
+        no observer the hot path does no extra work."""
+        if not (callable(getattr(observer, "on_alloc", None))
+                and callable(getattr(observer, "on_free", None))):
+            raise InvalidInputError("an observer needs on_alloc(buf) and on_free(buf) methods")
+        self._observers.append(observer)
+        self._hooks = True
+        self._via_python = True
+
+    def remove_observer(self, observer: Any) -> None:
+        """Stop calling `observer` (one added by :meth:`add_observer`); InvalidInputError if
+        it is not registered."""
+        if observer not in self._observers:
+            raise InvalidInputError(f"{observer!r} is not an observer of this manager")
+        self._observers.remove(observer)
+        self._hooks = bool(self._observers)
+        self._via_python = self._hooks or self._tags is not None
+
+    # --- per-buffer state for history and tracking (no Python on the hot path) ---------------
+    def _start_recording(self, recorder: "HistoryRecorder") -> None:
+        """HistoryRecorder(manager) calls this: the pool's history must hold the recorder's
+        max_entries (growing it forgets the events recorded so far), and tags and addresses
+        are kept while it runs."""
+        with self._slow:
+            self._check_open()
+            capacity = self.pool.history_capacity
+            if capacity < recorder.max_entries:
+                if self._history_before_recording is None:
+                    self._history_before_recording = capacity
+                self.pool.set_history(recorder.max_entries)
+            self._recorders.append(recorder)
+            self._keep_buffer_state()
+
+    def _stop_recording(self, recorder: "HistoryRecorder") -> None:
+        """The recorder has copied its events: stop keeping state for it; the last one gives
+        the pool back its own history size."""
+        with self._slow:
+            if recorder in self._recorders:
+                self._recorders.remove(recorder)
+            if not self._recorders and self._history_before_recording is not None:
+                if not self._closed:
+                    self.pool.set_history(self._history_before_recording)
+                self._history_before_recording = None
+            self._keep_buffer_state()
+
+    def _keep_buffer_state(self) -> None:
+        """Keep tags while a recorder runs or the tracker reads the pool (the CPU-fallback
+        host manager's for the tracker), and addresses while a recorder runs; _slow held."""
+        tracked = self.tracker is not None and self.tracker.reads_pool
+        for mm, want_tags in ((self, tracked or bool(self._recorders)), (self._host, tracked)):
+            if mm is not None and want_tags != (mm._tags is not None):
+                mm._tags = {} if want_tags else None
+                # the torch allocator's nogil path cannot tag its buffers: send it through malloc
+                mm._via_python = mm._hooks or want_tags
+        addresses = max((r.max_entries for r in self._recorders), default=0)
+        if addresses > self._address_capacity or not addresses:
+            self._set_address_log(addresses)
+            self._address_capacity = addresses
+
+    def _note_fallback(self, buf: Any, op: str) -> None:
+        """A CPU-fallback buffer was allocated (op "a") or freed ("f"): tell the recorders
+        (the slow path; device buffers are in the pool's history)."""
+        for recorder in list(self._recorders):
+            recorder._note_fallback(buf, op)
+
+    def _prune_tags(self) -> None:
+        """``_tags`` outgrew its limit (called by the alloc path, rarely): forget the tags of
+        freed buffers, except the newest ones a running recorder may still show."""
+        tags = self._tags
+        if tags is None:
+            return
+        newest = max((r.max_entries for r in self._recorders), default=0)
+        ids = list(tags)
+        old = ids[:max(0, len(ids) - newest)]
+        if old:
+            live = self._live_ids()
+            for bid in old:
+                if bid not in live:
+                    tags.pop(bid, None)
+        self._tags_limit = 2 * len(tags) + 4096
+
+    def _live_ids(self) -> set[int]:
+        """Ids of the pool's live blocks (frees waiting for other streams included)."""
+        return {b["id"] for seg in self.pool.segments() for b in seg["blocks"]
+                if b["state"] == "allocated"}
+
+    def _on_alloc(self, buf: Buffer) -> None:
+        for obs in self._observers:
+            obs.on_alloc(buf)
+
+    def _on_free(self, buf: Buffer) -> None:
+        for obs in self._observers:
+            obs.on_free(buf)
+
+    def on_oom(self, callback: OomCallback) -> OomCallback:
+        """Register ``callback(manager, nbytes)``, run when a request cannot be served; it
+        may free buffers, and the request is retried once after all callbacks ran."""
+        if not callable(callback):
+            raise InvalidInputError("on_oom takes a callable(manager, nbytes)")
+        self._oom_callbacks.append(callback)
+        return callback
+
+    def _free_other(self, buffer: Any) -> None:
+        if isinstance(buffer, FallbackBuffer):
+            if buffer._manager is not self:
+                raise ForeignBufferError(f"fallback buffer {buffer.id} belongs to another manager")
+            buffer.free()
+            return
+        raise TypeError(f"free() takes a gpumem Buffer, got {type(buffer).__name__}")
+
+    # --- cache control ------------------------------------------------------------------------------
+    def empty_cache(self) -> int:
+        """Return every wholly free cached segment to the driver; the bytes returned."""
+        self._check_open()
+        self.collect_pending_frees()
+        return self._release_cached(reason="empty_cache")
+
+    def shrink(self, target_cached_bytes: int | str = 0) -> int:
+        """Release wholly free segments until at most target bytes (an int or a size string
+        such as ``"256MiB"``) stay cached; the bytes released."""
+        self._check_open()
+        target_cached_bytes = _byte_count(target_cached_bytes, "target_cached_bytes")
+        cached = self.pool.reserved_bytes - self.pool.in_use_bytes
+        if cached <= target_cached_bytes:
+            return 0
+        return self._release_cached(cached - target_cached_bytes, reason="shrink")
+
+    def set_max_pool_size(self, nbytes: int | str | None) -> None:
+        """Cap the cached (free) bytes at `nbytes` (an int or a size string such as ``"1GiB"``);
+        None removes the cap. Trims at once. A bad value raises InvalidInputError and changes
+        nothing."""
+        if nbytes is not None:
+            nbytes = _byte_count(nbytes, "max_pool_size")
+        self._max_pool_size = nbytes
+        self._set_limits(self.usable_memory, nbytes)
+        self._trim_cache()
+
+    def reset_peak_stats(self) -> None:
+        """Start the peak counters (``peak_in_use_bytes``, ``peak_reserved_bytes`` in :meth:`stats`)
+        again from the current in-use and reserved bytes (open measure() blocks keep theirs)."""
+        if self._peak_windows is not None:
+            self._peak_windows.reset()
+        else:
+            self.pool.reset_peaks()
+
+    # --- statistics ----------------------------------------------------------------------------------
+    def stats(self) -> MemoryStats:
+        """A consistent snapshot of the counters: bytes reserved from the device, in use and
+        cached, peaks, hits and misses, segments, OOMs and CPU fallbacks (see MemoryStats).
+        After close() the manager holds nothing, and the held figures say 0."""
+        c = self.pool.counters(consistent=True)
+        # measure() blocks reset the pool's peak counters: the manager's peaks come from here
+        c["peak_in_use_bytes"], c["peak_reserved_bytes"] = manager_peaks(self, c)
+        if self._closed:
+            for held in ("reserved_bytes", "in_use_bytes", "cached_bytes", "requested_bytes",
+                         "active_blocks", "num_segments", "largest_free_block"):
+                c[held] = 0
+        return MemoryStats(
+            device=self.device_string,
+            reserved_bytes=c["reserved_bytes"],
+            in_use_bytes=c["in_use_bytes"],
+            requested_bytes=c["requested_bytes"],
+            cached_bytes=c["cached_bytes"],
+            peak_in_use_bytes=c["peak_in_use_bytes"],
+            peak_reserved_bytes=c["peak_reserved_bytes"],
+            largest_free_block=c["largest_free_block"],
+            pool_hits=c["pool_hits"],
+            pool_misses=c["pool_misses"],
+            cpu_fallbacks=self._cpu_fallbacks,
+            fallback_bytes=self._fallback_bytes,
+            active_buffers=(0 if self._closed else
+                            c["active_blocks"] - self.pending_free_count + self._fallback_live),
+            num_allocs=c["num_allocs"],
+            num_frees=c["num_frees"],
+            num_segments=c["num_segments"],
+            segments_created=c["segments_created"],
+            segments_released=c["segments_released"],
+            num_ooms=self._num_ooms,
+            pending_free_bytes=0 if self._closed else self.pending_free_bytes,
+        )
+
+    # --- pressure ----------------------------------------------------------------------------------
+    def pressure_ratio(self) -> float:
+        """Bytes held from the device over usable memory, in [0, 1]."""
+        if self.usable_memory == 0:
+            return 1.0
+        return min(1.0, self.pool.reserved_bytes / self.usable_memory)
+
+    def pressure(self) -> MemoryPressure:
+        """The pressure level (LOW, MEDIUM, HIGH, CRITICAL) of :meth:`pressure_ratio` against
+        ``config.pressure_thresholds``."""
+        return pressure_level(self.pressure_ratio(), self.config.pressure_thresholds)
+
+    def on_pressure(self, callback: PressureCallback) -> PressureCallback:
+        """Register ``callback(old_level, new_level, ratio)``, called on each level change."""
+        if not callable(callback):
+            raise InvalidInputError("on_pressure takes a callable(old, new, ratio)")
+        self._pressure_callbacks.append(callback)
+        return callback
+
+    def _update_pressure(self) -> None:
+        level = self.pressure()
+        if level == self._pressure:
+            return
+        old, self._pressure = self._pressure, level
+        ratio = self.pressure_ratio()
+        log.debug("%s pressure %s -> %s (%.1f%%)", self.device_string, old.name, level.name,
+                  100 * ratio)
+        for callback in list(self._pressure_callbacks):
+            try:
+                callback(old, level, ratio)
+            except Exception as exc:  # an observer must not fail the allocation it observes
+                warnings.warn(f"gpumem: pressure observer {callback!r} raised {exc!r}",
+                              RuntimeWarning)
+        if level > old:
+            self._respond_to_pressure(level)
+
+    def _respond_to_pressure(self, level: MemoryPressure) -> None:
+        if level >= MemoryPressure.CRITICAL and self.config.auto_cleanup_at_critical:
+            self.emergency_cleanup()
+        elif level >= MemoryPressure.HIGH and self.config.auto_release_at_high:
+            keep = int(self.config.high_cache_fraction * self.usable_memory)
+            cached = self.pool.reserved_bytes - self.pool.in_use_bytes
+            if cached > keep:
+                self._release_cached(cached - keep, reason="HIGH pressure")
+
+    def emergency_cleanup(self) -> int:
+        """Release every wholly free segment now (the CRITICAL response); bytes released."""
+        self._check_open()
+        return self._release_cached(reason="emergency cleanup")
+
+    # --- RAII helpers and batches -----------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedManagerError(f"the manager for {self.device_string} is closed")
+
+    def _validated_sizes(self, sizes: Iterable[int], what: str = "sizes") -> list[int]:
+        out = []
+        for i, n in enumerate(sizes):
+            if isinstance(n, bool) or not hasattr(n, "__index__"):
+                raise TypeError(f"{what}[{i}] must be an int, got {type(n).__name__} {n!r}")
+            n = int(n)
+            if n < 0:
+                raise InvalidInputError(f"{what}[{i}] must be >= 0, got {n}")
+            out.append(n)
+        return out
+
+    def batch(self) -> "BufferBatch":
+        """A BufferBatch: buffers allocated through it are all freed when the block exits."""
+        from gpumem.manager.batch import BufferBatch
+        self._check_open()
+        return BufferBatch(self)
+
+    def allocate_batch(self, sizes: Iterable[int], *, stream: int | None = None,
+                       tag: Any = None) -> list[Buffer]:
+        """Allocate many buffers at once, placed in as few segments as possible."""
+        from gpumem.manager.batch import allocate_batch
+        return allocate_batch(self, sizes, stream=stream, tag=tag)
+
+    def warmup(self, sizes: Sequence[int], counts: Sequence[int] | int = 1) -> int:
+        """Pre-populate the cache so later requests of these sizes are hits; bytes reserved."""
+        from gpumem.manager.batch import warmup
+        return warmup(self, sizes, counts)
+
+    def malloc_async(self, nbytes: int, *, stream: int | None = None,
+                     tag: Any = None) -> "concurrent.futures.Future[Buffer]":
+        """malloc on a worker thread; the Future holds the buffer or the exception."""
+        self._check_open()
+        if isinstance(nbytes, bool) or not hasattr(nbytes, "__index__"):
+            raise TypeError(f"nbytes must be an int, got {type(nbytes).__name__} {nbytes!r}")
+        if nbytes < 0:                                   # fail fast, in the caller's thread
+            raise InvalidInputError(f"nbytes must be >= 0, got {nbytes}")
+        with self._slow:
+            if self._executor is None:
+                self._executor = concurrent.futures.ThreadPoolExecutor(
+                    max_workers=1, thread_name_prefix=f"gpumem-{self.device_string}")
+        return self._executor.submit(self.malloc, int(nbytes), stream=stream, tag=tag)
+
+    # --- seeing memory ----------------------------------------------------------------------------
+    def measure(self) -> "Measurement":
+        """``with mm.measure() as m: ...`` then ``m.stats``: what changed inside the block
+        (num_allocs, num_frees, pool_hits, pool_misses, bytes) and its peaks (see
+        gpumem.manager.measure)."""
+        from gpumem.manager.measure import Measurement
+        self._check_open()
+        return Measurement(self)
+
+    def memory_summary(self, *, top_tags: int = 5) -> str:
+        """A table a person reads at a glance: reserved, in use, cached, peaks, fallback,
+        hits/misses, segments by pool and size class, largest free block, pressure, and the
+        top tags by bytes when tracking is on (see gpumem.observe.summary)."""
+        from gpumem.observe.summary import memory_summary
+        return memory_summary(self, top_tags=top_tags)
+
+    def snapshot(self) -> dict:
+        """Segments and blocks as a plain, JSON-ready dict (see gpumem.observe.snapshot)."""
+        from gpumem.observe.snapshot import take_snapshot
+        self._check_open()
+        return take_snapshot(self)
+
+    def record_history(self, max_entries: int = 1_000_000) -> "HistoryRecorder":
+        """Start recording alloc/free events into a ring buffer; returns the recorder (its
+        ``write(path)`` saves a trace in the gpumem/data/traces format)."""
+        from gpumem.observe.history import HistoryRecorder
+        self._check_open()
+        return HistoryRecorder(self, max_entries=max_entries)
+
+    def check_leaks(self) -> list:
+        """Live buffers tracked by this manager (requires track_allocations)."""
+        if self.tracker is None:
+            raise InvalidInputError("check_leaks() needs track_allocations=True in the config "
+                                    "(or GPUMEM_DEBUG=1)")
+        return self.tracker.check_leaks()
+
+    # --- close ---------------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Return every segment to the driver. Live buffers become invalid. Idempotent."""
+        with self._slow:
+            if self._closed:
+                return
+            for recorder in list(self._recorders):
+                recorder.stop()                 # its events stay readable after close
+            if self.tracker is not None:
+                try:
+                    self.tracker.report_leaks(at="close()")
+                except Exception as exc:  # a report must never keep the memory held
+                    warnings.warn(f"gpumem: the leak report of {self.device_string} failed "
+                                  f"while closing: {exc!r}", RuntimeWarning)
+            self._mark_closed()
+            # A device closed first (its context released at interpreter exit) took its
+            # memory with it: nothing is left to return.
+            if not getattr(self.device, "closed", False):
+                self._return_everything()
+            if self._host is not None:
+                self._host.close()
+            if self._executor is not None:
+                self._executor.shutdown(wait=False)
+
+    def _after_fork_in_child(self) -> None:
+        """In a forked child only the forking thread exists: the malloc_async worker and any
+        lock another thread held are gone. Start them afresh (the executor lazily)."""
+        self._slow = threading.RLock()
+        self._executor = None
+        self._reset_collector()
+
+    def _return_everything(self) -> None:
+        try:
+            self.collect_pending_frees(wait=True)       # releases their events
+            self.device.synchronize()
+        except Exception as exc:  # close() always goes on to return the segments
+            warnings.warn(f"gpumem: synchronize failed while closing: {exc}", RuntimeWarning)
+        for handle in self.pool.live_segment_handles():
+            if self._expandable is not None and self._expandable.owns(handle):
+                self._expandable.release(handle)
+                continue
+            try:
+                self.device.free_segment(handle)
+            except Exception as exc:  # keep returning the others
+                warnings.warn(f"gpumem: could not free segment {handle:#x} on close: {exc}",
+                              RuntimeWarning)
+
+    def __del__(self) -> None:
+        # Never block in a destructor: close only if the slow-path lock is free right now
+        # (an unreachable manager's lock is free unless a peer's OOM rung holds it).
+        try:
+            slow = self.__dict__.get("_slow")
+            if slow is None or not slow.acquire(blocking=False):
+                return
+            try:
+                self.close()
+            finally:
+                slow.release()
+        except Exception:
+            pass  # destructors never raise

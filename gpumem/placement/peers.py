@@ -1,0 +1,140 @@
+"""Every MemoryManager of this process, by physical device, for the cross-manager OOM rung.
+
+Two managers on one device (a shared one from ``gpumem.get_manager`` and one a library built
+with ``MemoryManager(...)``) compete for the same driver memory. When one of them cannot grow,
+its OOM ladder calls :func:`release_peer_caches`: every other open manager on the same device
+gives its wholly free cached segments back to the driver, then the ladder retries growth.
+
+Thread safety: the registry (``_peers``: device key -> weak references to managers) is owned by
+this module and guarded by ``_lock``, one ``threading.Lock``. Under it only dict and list work
+runs: no manager method, no driver call. Weak references carry no callbacks (dead ones are
+pruned under the lock on the next access), so a manager's ``__del__`` never touches this module
+and never waits for ``_lock``.
+
+Fork: just before fork() the forking thread takes ``_lock`` and every open manager's pool locks
+(C spin locks that a thread without the GIL may hold, e.g. torch's allocator threads), and
+releases them in both processes afterwards; a child never inherits a lock held by a thread it
+does not have, nor a pool halfway through an update.
+
+A peer is asked only if its own slow-path lock is free at that moment (a non-blocking acquire):
+two managers running out of memory at once never wait for each other, so no lock-order deadlock
+is possible; a busy peer is skipped.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import weakref
+from typing import TYPE_CHECKING, Hashable
+
+if TYPE_CHECKING:
+    from gpumem.backends import Device
+    from gpumem.manager.memory_manager import MemoryManager
+
+__all__ = ["register", "peers_of", "release_peer_caches"]
+
+log = logging.getLogger("gpumem")
+
+_lock = threading.Lock()
+_peers: dict[Hashable, list[weakref.ref]] = {}
+
+
+def _device_key(device: Device) -> Hashable:
+    """Managers with equal keys share driver memory. A simulated device is an object of its own
+    (two SimDevices may both have been "sim:0"), so it is keyed by identity; a real device is
+    named by its string within a process. The key holds no reference to the device."""
+    if device.backend == "sim":
+        return ("sim", id(device))
+    return device.device_string
+
+
+def register(manager: MemoryManager) -> None:
+    """Called once by every MemoryManager as it is created."""
+    key = _device_key(manager.device)
+    ref = weakref.ref(manager)
+    with _lock:
+        refs = [r for r in _peers.get(key, ()) if r() is not None]
+        refs.append(ref)
+        _peers[key] = refs
+        # prune keys whose managers are all gone (a device key can then be reused safely)
+        for k in [k for k, rs in _peers.items() if all(r() is None for r in rs)]:
+            del _peers[k]
+
+
+def peers_of(manager: MemoryManager) -> list[MemoryManager]:
+    """The other open managers of this process on ``manager``'s device, oldest first."""
+    key = _device_key(manager.device)
+    with _lock:
+        live = [r() for r in _peers.get(key, ())]
+    return [m for m in live if m is not None and m is not manager and not m.closed]
+
+
+def release_peer_caches(manager: MemoryManager) -> int:
+    """Ask every peer of ``manager`` (:func:`peers_of`) whose slow path is free to release its
+    wholly free cached segments; the bytes they gave back to the driver."""
+    released = 0
+    for peer in peers_of(manager):
+        if not peer._slow.acquire(blocking=False):
+            continue                              # busy in its own slow path: never wait on it
+        try:
+            if not peer.closed:
+                released += peer._release_cached(
+                    reason=f"a peer manager on {manager.device_string} is out of memory")
+        except Exception as exc:  # one peer's driver failure must not fail this allocation
+            log.warning("%s: a peer manager could not release its cache: %s",
+                        manager.device_string, exc)
+        finally:
+            peer._slow.release()
+    if released:
+        log.info("%s: peer managers released %d bytes of cached segments",
+                 manager.device_string, released)
+    return released
+
+
+_held_for_fork: list = []      # the pools whose C locks the forking thread holds
+
+
+def _before_fork() -> None:
+    """Take the registry lock and every open manager's pool locks (gpumem/_core/pool.pyx
+    ``_hold_for_fork``), so that no thread is inside a pool when fork() copies it. Locks of
+    different pools are never nested elsewhere, so taking them one after another cannot
+    deadlock."""
+    _lock.acquire()
+    for refs in _peers.values():
+        for ref in refs:
+            manager = ref()
+            if manager is not None and not manager.closed:
+                manager.pool._hold_for_fork()
+                _held_for_fork.append(manager.pool)
+
+
+def _release_held() -> None:
+    for pool in _held_for_fork:
+        pool._release_after_fork()
+    _held_for_fork.clear()
+
+
+def _after_fork_in_parent() -> None:
+    _release_held()
+    _lock.release()
+
+
+def _after_fork_in_child() -> None:
+    """Only the forking thread exists in a child: the pool locks it took before fork() are
+    released; Python locks other threads may have held are rebuilt, and so is every manager's
+    per-process state (worker threads, locks; see MemoryManager._after_fork_in_child). Runs
+    alone, so it reads the registry unlocked."""
+    global _lock
+    _release_held()
+    _lock = threading.Lock()
+    for refs in list(_peers.values()):
+        for ref in refs:
+            manager = ref()
+            if manager is not None:
+                manager._after_fork_in_child()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
+                        after_in_child=_after_fork_in_child)

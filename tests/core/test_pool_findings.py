@@ -1,0 +1,59 @@
+"""check_invariants reports a broken front cache as an AssertionError that says what is wrong
+(the walker's findings about front caches had no message, so such a report died with an
+IndexError). Level: real (the pool's C structures, skewed through the public pool.pxd by a
+tiny extension compiled at test time, as tests/core/test_cython_api.py does)."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from gpumem._core.pool import CachingPool
+from test_cython_api import REPO_ROOT, SETUP
+
+PYX = textwrap.dedent("""
+    # cython: language_level=3
+    # distutils: language = c++
+    from gpumem._core.pool cimport CachingPool, gm_pool
+
+    def skew_front_cache_bytes(CachingPool pool, long long delta):
+        '''Add delta to front cache 0's cached_bytes counter: a corruption to detect.'''
+        cdef gm_pool* p = pool._p
+        p.shards[0].cached_bytes.store(<size_t>(p.shards[0].cached_bytes.load() + delta))
+""")
+
+
+@pytest.fixture(scope="module")
+def skewer(tmp_path_factory):
+    if os.name == "nt":
+        pytest.skip("the test build uses a Unix C++ compiler flag")
+    d = tmp_path_factory.mktemp("pool_findings")
+    (d / "gm_downstream.pyx").write_text(PYX)
+    (d / "setup.py").write_text(SETUP)
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    proc = subprocess.run([sys.executable, "setup.py", str(REPO_ROOT), "build_ext", "--inplace"],
+                          cwd=d, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"building the test extension failed:\n{proc.stderr}"
+    (so,) = [p for p in d.iterdir() if p.name.startswith("gm_downstream") and
+             p.suffix in (".so", ".pyd")]
+    spec = importlib.util.spec_from_file_location("gm_downstream", so)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.slow
+def test_a_front_cache_counter_off_by_a_block_is_named(skewer):
+    pool = CachingPool()
+    pool.check_invariants()                           # a fresh pool is sound
+    skewer.skew_front_cache_bytes(pool, 512)
+    with pytest.raises(AssertionError) as err:
+        pool.check_invariants()
+    assert str(err.value) == ("pool invariants broken:\n"
+                              "  front cache 0: cached_bytes 512 but a recount gives 0")
+    skewer.skew_front_cache_bytes(pool, -512)         # put back: sound again
+    pool.check_invariants()
