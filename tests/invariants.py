@@ -24,23 +24,29 @@ It also holds the plain helpers test modules share (fixtures live in conftest.py
   skipping an unavailable backend with its reason.
 - ``sim_manager(capacity, ...)``: a MemoryManager on a fresh SimDevice, with a base config
   (``EXACT``: usable memory is the capacity; ``QUIET``: the same, no automatic responses).
+- ``run_threads(work, args)``: ``work(a)`` for each ``a`` on its own thread, all at once; the
+  exceptions they raised (the test asserts there are none).
 """
 from __future__ import annotations
 
 import os
-from typing import Any, Iterable
+import threading
+from typing import Any, Callable, Iterable
 
 import pytest
 
 import gpumem_sim
 from gpumem import FallbackBuffer, MemoryConfig, MemoryManager
-from gpumem.backends import get_backend
+from gpumem.backends import BACKEND_NAMES, canonical_device, get_backend
 
 __all__ = ["check", "live_ranges", "stats_without", "snapshot_state", "TEST_EXPANDABLE",
            "ALL_BACKENDS", "selected_backends", "require_backend", "device_string",
-           "backend_device", "EXACT", "QUIET", "sim_manager"]
+           "backend_device", "EXACT", "QUIET", "sim_manager", "run_threads"]
 
+#: every bundled backend, the ones every machine has first (a new registry row joins the
+#: backend tests by itself)
 ALL_BACKENDS = ("sim", "cpu", "opencl", "cuda")
+ALL_BACKENDS += tuple(n for n in BACKEND_NAMES if n not in ALL_BACKENDS)
 
 
 def selected_backends(default: Iterable[str] = ALL_BACKENDS, *,
@@ -67,7 +73,7 @@ def require_backend(name: str) -> None:
 
 def device_string(name: str) -> str:
     """Device 0 of backend ``name``: ``"cpu"``, ``"sim:0"``, ``"opencl:0"``, ``"cuda:0"``."""
-    return "cpu" if name == "cpu" else f"{name}:0"
+    return canonical_device(f"{name}:0")
 
 
 def backend_device(name: str, capacity: int | str = "4GiB", **sim_options: Any) -> str:
@@ -105,6 +111,26 @@ def sim_manager(capacity: int | str, *, device: Any = None, back_memory: bool = 
         gpumem_sim.install(dev)
     cfg = MemoryConfig(**{**(EXACT if base is None else base), **config})
     return dev, MemoryManager("sim:0" if install else dev, cfg)
+
+
+def run_threads(work: Callable[[Any], None], args: Iterable[Any], *,
+                timeout: float | None = None) -> list[BaseException]:
+    """Run ``work(a)`` for each of ``args`` on its own thread, all started before any is
+    joined (each join waits at most ``timeout`` seconds); what they raised, in no order."""
+    errors: list[BaseException] = []
+
+    def guarded(a: Any) -> None:
+        try:
+            work(a)
+        except BaseException as exc:        # surfaced by the caller
+            errors.append(exc)
+
+    threads = [threading.Thread(target=guarded, args=(a,)) for a in args]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    return errors
 
 
 def live_ranges(manager: Any) -> list[tuple[int, int, int]]:

@@ -17,7 +17,8 @@ With ``--json -`` a command writes only JSON to stdout (newline-terminated) and 
 stderr, so ``gpumem replay T --json - | jq .`` works.
 
 Errors are one line on stderr (``gpumem: error: ...``) and a non-zero exit status: 1 for a bad
-input or a failure, 2 for a usage error or a replay that ran out of memory.
+input or a failure, 2 for a usage error, a trace or PyTorch snapshot that cannot be read, or a
+replay that ran out of memory.
 """
 from __future__ import annotations
 

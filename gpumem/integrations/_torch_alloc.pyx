@@ -42,6 +42,7 @@ from libc.stdint cimport uint64_t, uint8_t, SIZE_MAX
 from libc.stdlib cimport calloc, free, malloc
 from libcpp.atomic cimport atomic, memory_order_acquire, memory_order_release, memory_order_relaxed
 
+from gpumem._core.manager_base cimport ManagerBase
 from gpumem._core.pool cimport (CachingPool, gm_pool, gm_block, gm_alloc, gm_free,
                                 gm_block_address, GM_OK)
 
@@ -49,7 +50,8 @@ import atexit
 import os
 import warnings
 
-from gpumem._core.buffer import Buffer, ManagerCore
+from gpumem._core.buffer import Buffer
+from gpumem._core.manager_core import ManagerCore
 from gpumem.errors import InvalidInputError, OutOfMemoryError
 from gpumem.stats import StatsDict
 
@@ -88,7 +90,8 @@ ctypedef struct dev_ctx:
     const int* closed                    # the manager's _closed (a bint)
     const int* hooks                     # the manager's _via_python: every request through malloc
     PyObject* manager                    # owned reference
-    size_t cache_limit                   # max_pool_size, SIZE_MAX when unlimited
+    atomic[size_t] cache_limit           # max_pool_size, SIZE_MAX when unlimited (written with
+                                         # the GIL, read by frees without it: an atomic)
     int shared                           # bound from gpumem.get_manager (manager=None)
     atomic[size_t] live                  # table entries of this device
 
@@ -265,7 +268,8 @@ cdef public void gpumem_torch_free(void* ptr, ssize_t size, int device,
         _unlock_table()
         _bad_frees.fetch_add(1)
         return
-    if (p.stats.reserved_bytes.load() - p.stats.in_use_bytes.load() > e.ctx.cache_limit
+    if (p.stats.reserved_bytes.load() - p.stats.in_use_bytes.load()
+            > e.ctx.cache_limit.load(memory_order_relaxed)
             and not _shutting_down.load()):
         with gil:
             _trim(e.ctx)
@@ -321,7 +325,7 @@ cdef void _free_through_python(PyObject* owned) noexcept:
 
 cdef void _trim(dev_ctx* c) noexcept:
     try:
-        (<object>c.manager)._trim_cache()
+        (<ManagerBase>c.manager)._trim()
     except BaseException as exc:
         warnings.warn(f"gpumem torch allocator: trimming the cache failed: {exc}",
                       RuntimeWarning)
@@ -329,7 +333,7 @@ cdef void _trim(dev_ctx* c) noexcept:
 
 cdef void _refresh_limits(dev_ctx* c):
     limit = getattr(<object>c.manager, "_max_pool_size", None)
-    c.cache_limit = SIZE_MAX if limit is None else <size_t>limit
+    c.cache_limit.store(SIZE_MAX if limit is None else <size_t>limit, memory_order_relaxed)
 
 
 cdef dev_ctx* _context_for(int device) except NULL:

@@ -28,7 +28,8 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from gpumem._core.buffer import Buffer, _pyopencl_buffer
+from gpumem._core.buffer import Buffer
+from gpumem._core.manager_core import _pyopencl_buffer
 from gpumem.config import MemoryConfig
 from gpumem.errors import InvalidInputError, OutOfMemoryError
 from gpumem.manager.memory_manager import MemoryManager
@@ -38,7 +39,7 @@ __all__ = ["PyOpenCLAllocator", "allocator", "open_manager"]
 
 def _allocate(malloc: Any, from_int_ptr: Any, nbytes: int, buf: Any = None) -> Any:
     """One pyopencl buffer backed by a gpumem block: the allocator's path for what its Cython
-    body (``gpumem._core.buffer._pyopencl_buffer``) does not take: sizes that are not a
+    body (``gpumem._core.manager_core._pyopencl_buffer``) does not take: sizes that are not a
     positive int (the errors come from here), and `buf`, a block the manager gave in host
     memory (refused)."""
     if buf is None:
@@ -103,16 +104,16 @@ class PyOpenCLAllocator(functools.partial):
 def _default_manager() -> MemoryManager:
     """The shared manager (``gpumem.get_manager``) of the default device when that is an
     OpenCL device, else of ``opencl:0``."""
-    from gpumem.backends import default_device
+    from gpumem.backends import default_device, get_backend, parse_device
+    from gpumem.backends.opencl import BACKEND
     from gpumem.errors import InvalidDeviceError
     from gpumem.placement.shared import get_manager
     try:
         device = default_device()
-    except InvalidDeviceError:
-        device = "opencl:0"             # no default device: the first OpenCL device
-    if not device.startswith("opencl:"):
-        device = "opencl:0"
-    return get_manager(device)
+        on_opencl = get_backend(parse_device(device)[0]) is BACKEND
+    except InvalidDeviceError:          # no default device ("sim:80GiB" names no index)
+        on_opencl = False
+    return get_manager(device if on_opencl else "opencl:0")
 
 
 def allocator(manager: MemoryManager | None = None, *, stream: int = 0) -> PyOpenCLAllocator:
@@ -126,7 +127,8 @@ def allocator(manager: MemoryManager | None = None, *, stream: int = 0) -> PyOpe
     if not isinstance(manager, MemoryManager):
         raise InvalidInputError(f"manager must be a gpumem.MemoryManager or None, got "
                                 f"{type(manager).__name__}")
-    if manager.device.backend != "opencl":
+    from gpumem.backends.opencl import OpenCLDevice
+    if not isinstance(manager.device, OpenCLDevice):    # its queues and cl.Buffers
         raise InvalidInputError(f"manager is on {manager.device_string}: pyopencl arrays need "
                                 f"a manager on an OpenCL device ('opencl:N')")
     if manager.closed:

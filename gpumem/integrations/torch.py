@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from gpumem.errors import InvalidInputError
+from gpumem.integrations.manager_checks import cuda_device_index
 
 if TYPE_CHECKING:
     from gpumem.manager.memory_manager import MemoryManager
@@ -45,20 +45,13 @@ def library_path() -> str:
     return _native().__file__
 
 
-def _cuda_index(manager: "MemoryManager") -> int:
-    backend, _, index = manager.device_string.partition(":")
-    if backend != "cuda":
-        raise InvalidInputError(f"torch tensors live on CUDA devices; manager {manager!r} is on "
-                                f"{manager.device_string!r} (pass device= to bind it anyway)")
-    return int(index)
-
-
 def bind(manager: "MemoryManager", device: int | None = None) -> None:
     """Serve torch's CUDA device ``device`` (default: the manager's own CUDA index) from
     ``manager``. Any manager can be bound to an explicit index, which is how the tests drive the
     entry points on a simulated device."""
     if device is None:
-        device = _cuda_index(manager)
+        device = cuda_device_index(manager, "torch tensors live on CUDA devices",
+                                   " (pass device= to bind it anyway)")
     _native().bind(manager, device)
 
 

@@ -16,10 +16,10 @@ read, with a DeprecationWarning). The counters are the manager's, so work of
 other threads on the same manager during the block is counted too.
 
 The peak of a block costs nothing on the hot path: entering a block resets the pool's peak
-counters (C atomics) after folding their values into :class:`PeakWindows`, which keeps the
-manager's peaks since creation / ``reset_peak_stats()`` as a floor (``stats()`` reports the
-larger), and the peaks so far of every block still open, so blocks may nest or overlap across
-threads. The one approximation: a peak that another thread reaches *and leaves* in the instant
+counters (C atomics) after folding their values into :class:`PeakWindows` (a part of the
+manager), which keeps the manager's peaks since creation / ``reset_peak_stats()`` as a floor
+(``stats()`` reports the larger), and the peaks so far of every block still open, so blocks may
+nest or overlap across threads. The one approximation: a peak that another thread reaches *and leaves* in the instant
 between reading the counters and resetting them, as a block is entered, is not seen.
 
 Thread safety: a manager's :class:`PeakWindows` (its open blocks and its floor) is owned by that
@@ -33,14 +33,15 @@ import time
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from gpumem.errors import InvalidInputError
+from gpumem.errors import ClosedManagerError, InvalidInputError
 from gpumem.stats import DeprecatedName, StatsDict, deprecated_names
 from gpumem.units import format_bytes
 
 if TYPE_CHECKING:
     from gpumem.manager.memory_manager import MemoryManager
+    from gpumem.manager.miss_path import MissPath
 
-__all__ = ["Measurement", "MeasuredStats", "PeakWindows", "manager_peaks"]
+__all__ = ["Measurement", "MeasuredStats", "PeakWindows"]
 
 
 @dataclass(frozen=True)
@@ -106,8 +107,8 @@ class _Window:
 
 
 class PeakWindows:
-    """A manager's peak bookkeeping once ``measure()`` has been used: the pool's C peak counters
-    hold the peaks since the latest reset; ``floor`` holds what earlier resets folded away."""
+    """A manager's peak bookkeeping: the pool's C peak counters hold the peaks since the latest
+    reset; ``floor`` holds what earlier resets (entering a ``measure()`` block) folded away."""
 
     def __init__(self, pool: Any) -> None:
         self._pool = pool
@@ -153,41 +154,28 @@ class PeakWindows:
             self._pool.reset_peaks()
 
 
-def manager_peaks(manager: MemoryManager, counters: dict) -> tuple[int, int]:
-    """``(peak in use, peak reserved)`` of ``manager`` since creation / reset_peak_stats(),
-    from its pool ``counters()``: what every reader of a manager's peaks must use, because
-    measure() blocks reset the pool's own peak counters."""
-    in_use, reserved = counters["peak_in_use_bytes"], counters["peak_reserved_bytes"]
-    windows = manager._peak_windows
-    return (in_use, reserved) if windows is None else windows.peaks(in_use, reserved)
-
-
 class Measurement:
     """The context manager :meth:`MemoryManager.measure` returns; ``stats`` is None until the
-    block exits. One Measurement measures one block (entering it twice is an error)."""
+    block exits. One Measurement measures one block (entering it twice is an error).
+    ``peaks``: the manager's PeakWindows; ``miss``: its miss path (fallback and OOM counts)."""
 
-    def __init__(self, manager: MemoryManager) -> None:
+    def __init__(self, manager: MemoryManager, peaks: PeakWindows, miss: MissPath) -> None:
         self._manager = manager
+        self._windows = peaks
+        self._miss = miss
         self.stats: MeasuredStats | None = None
         self._window: _Window | None = None
         self._before: tuple[dict, int, int, float] | None = None
-
-    def _peaks(self) -> PeakWindows:
-        mgr = self._manager
-        with mgr._slow:                           # made once per manager, by one thread
-            if mgr._peak_windows is None:
-                mgr._peak_windows = PeakWindows(mgr.pool)
-            return mgr._peak_windows
 
     def __enter__(self) -> "Measurement":
         if self._before is not None:
             raise InvalidInputError("this Measurement was entered already; call "
                                     "manager.measure() again for another block")
-        self._manager._check_open()
-        windows = self._peaks()
-        self._window = windows.open()
         mgr = self._manager
-        self._before = (mgr.pool.counters(), mgr._cpu_fallbacks, mgr._num_ooms,
+        if mgr.closed:
+            raise ClosedManagerError(f"the manager for {mgr.device_string} is closed")
+        self._window = self._windows.open()
+        self._before = (mgr.pool.counters(), self._miss.cpu_fallbacks, self._miss.num_ooms,
                         time.perf_counter())
         return self
 
@@ -197,7 +185,7 @@ class Measurement:
         mgr = self._manager
         before, fallbacks, ooms, start = self._before
         after = mgr.pool.counters()
-        peak_in_use, peak_reserved = self._peaks().close(self._window)
+        peak_in_use, peak_reserved = self._windows.close(self._window)
         d = {k: after[k] - before[k] for k in ("num_allocs", "num_frees", "pool_hits",
                                                "pool_misses", "segments_created",
                                                "segments_released", "in_use_bytes",
@@ -206,7 +194,8 @@ class Measurement:
             device=mgr.device_string, num_allocs=d["num_allocs"], num_frees=d["num_frees"],
             pool_hits=d["pool_hits"], pool_misses=d["pool_misses"],
             segments_created=d["segments_created"], segments_released=d["segments_released"],
-            cpu_fallbacks=mgr._cpu_fallbacks - fallbacks, num_ooms=mgr._num_ooms - ooms,
+            cpu_fallbacks=self._miss.cpu_fallbacks - fallbacks,
+            num_ooms=self._miss.num_ooms - ooms,
             in_use_bytes_change=d["in_use_bytes"], reserved_bytes_change=d["reserved_bytes"],
             peak_in_use_bytes=peak_in_use, peak_reserved_bytes=peak_reserved,
             seconds=end - start)

@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator, Union
 
 import numpy as np
 
-from gpumem.backends import Device
+from gpumem.backends import Device, DeviceKind
 from gpumem.config import MemoryConfig
 from gpumem.errors import InvalidInputError, OutOfMemoryError
 from gpumem.observe.trace import OP_ALLOC, Phase, TraceData, read_trace
@@ -75,7 +75,7 @@ def open_replay_device(device: str | Device) -> Device:
 
 def _device_label(dev: Device) -> str:
     s = dev.device_string
-    if dev.backend == "sim" and getattr(dev, "index", 0) < 0:
+    if dev.kind is DeviceKind.SIMULATED and getattr(dev, "index", 0) < 0:
         return f"sim({format_bytes(dev.properties().total_memory)})"
     return s
 
@@ -400,8 +400,8 @@ def replay(trace: Any, device: str | Device = "sim:80GiB",
         stats = mm.stats()
         counters = pool.counters()
         driver_calls = counters["segments_created"] + counters["segments_released"]
-        if mm._expandable is not None:
-            driver_calls += mm._expandable.driver_calls - mm._expandable.segment_events
+        if mm.expandable_segments is not None:
+            driver_calls += mm.expandable_segments.driver_calls - mm.expandable_segments.segment_events
     finally:
         if bar is not None and bar.bar is not None:
             bar.bar.close()
@@ -430,7 +430,7 @@ def replay(trace: Any, device: str | Device = "sim:80GiB",
         modeled_driver_breakdown={
             c: [k - breakdown0.get(c, (0, 0.0))[0], s - breakdown0.get(c, (0, 0.0))[1]]
             for c, (k, s) in breakdown1.items() if k > breakdown0.get(c, (0, 0.0))[0]},
-        config={"expandable_segments": mm._expandable is not None,"gpu_memory_fraction": cfg.gpu_memory_fraction,
+        config={"expandable_segments": mm.expandable_segments is not None,"gpu_memory_fraction": cfg.gpu_memory_fraction,
                 "cpu_fallback_enabled": cfg.cpu_fallback_enabled,
                 "min_free_bytes": cfg.min_free_bytes, "max_pool_size": cfg.max_pool_size,
                 "max_split_size": cfg.max_split_size},

@@ -35,6 +35,7 @@ import os
 import time
 from typing import Any
 
+from gpumem.backends.base import DeviceKind
 from gpumem.errors import ClosedManagerError, InvalidInputError
 from gpumem.stats import StatsDict
 from gpumem.units import format_bytes
@@ -77,10 +78,10 @@ def take_snapshot(manager: Any) -> dict:
     tags: dict[int, Any] = {}
     if tracker is not None:
         for meta in tracker.live():
-            if meta.location == "device" or manager.device_string == "cpu":
+            if meta.location == "device" or manager.device.kind is DeviceKind.HOST:
                 tags[meta.id] = meta.tag
     pending = manager.pending_free_ids() if hasattr(manager, "pending_free_ids") else ()
-    expandable = getattr(manager, "_expandable", None)
+    expandable = getattr(manager, "expandable_segments", None)
     layout = expandable.layout() if expandable is not None else {}
     segments = []
     for seg in manager.pool.segments():
@@ -171,21 +172,20 @@ def _validate(data: Any, where: str) -> None:
         raise bad("'segments' must be a list")
     if not isinstance(data["stats"], dict):
         raise bad("'stats' must be an object")
-    for i, seg in enumerate(data["segments"]):
-        if not isinstance(seg, dict):
-            raise bad(f"segment #{i} is not an object")
-        miss = [k for k in _SEGMENT_KEYS if k not in seg]
+    def require(record: Any, keys: Any, where: str) -> None:
+        if not isinstance(record, dict):
+            raise bad(f"{where} is not an object")
+        miss = [k for k in keys if k not in record]
         if miss:
-            raise bad(f"segment #{i} lacks {miss}")
+            raise bad(f"{where} lacks {miss}")
+
+    for i, seg in enumerate(data["segments"]):
+        require(seg, _SEGMENT_KEYS, f"segment #{i}")
         if not isinstance(seg["size"], int) or seg["size"] < 0 or not isinstance(seg["blocks"], list):
             raise bad(f"segment #{i} needs an int size and a list of blocks")
         end = 0
         for j, b in enumerate(seg["blocks"]):
-            if not isinstance(b, dict):
-                raise bad(f"segment #{i} block #{j} is not an object")
-            miss = [k for k in _BLOCK_KEYS if k not in b]
-            if miss:
-                raise bad(f"segment #{i} block #{j} lacks {miss}")
+            require(b, _BLOCK_KEYS, f"segment #{i} block #{j}")
             if b["state"] not in ("allocated", "free", "unmapped"):
                 raise bad(f"segment #{i} block #{j} has state {b['state']!r}, expected "
                           f"'allocated', 'free' or 'unmapped'")

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from gpumem.errors import DriverError, InvalidInputError
+from gpumem.errors import ClosedManagerError, DriverError, InvalidInputError
 from gpumem.stats import StatsDict
 from gpumem.units import format_bytes
 
@@ -61,7 +61,9 @@ def _segments_by_class(segments: list[dict]) -> list[dict]:
         row["num_segments"] += 1
         row["reserved_bytes"] += seg["size"]
         for b in seg["blocks"]:
-            if b["state"] == "free":
+            if b["state"] == "unmapped":         # a hole in an expandable segment: no memory
+                row["reserved_bytes"] -= b["size"]
+            elif b["state"] == "free":
                 row["cached_bytes"] += b["size"]
             else:                                 # allocated, or freed but waiting for streams
                 row["in_use_bytes"] += b["size"]
@@ -72,7 +74,8 @@ def summary_data(manager: MemoryManager, *, top_tags: int = 5) -> SummaryData:
     """The figures of :func:`memory_summary` as a plain dict."""
     if isinstance(top_tags, bool) or not isinstance(top_tags, int) or top_tags < 0:
         raise InvalidInputError(f"top_tags must be an int >= 0, got {top_tags!r}")
-    manager._check_open()
+    if manager.closed:
+        raise ClosedManagerError(f"the manager for {manager.device_string} is closed")
     st = manager.stats()
     try:
         free, total = manager.memory_info()

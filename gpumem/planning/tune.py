@@ -136,8 +136,10 @@ def device_capacity(device: str | int) -> int:
     if not isinstance(device, str):
         raise InvalidInputError(f"device must be a string such as 'sim:24GiB', got "
                                 f"{type(device).__name__} {device!r}")
+    from gpumem.backends import private_device_size
     spec = device.strip()
-    spec = spec[4:] if spec.lower().startswith("sim:") else spec
+    if ":" in spec:                       # "sim:24GiB"; any other device string names no size
+        spec = private_device_size(spec) or ""
     if not spec or spec.isdigit() or ":" in spec:
         raise InvalidInputError(f"device {device!r} has no size: tune plans for a card of a "
                                 f"given capacity, e.g. --device sim:24GiB")

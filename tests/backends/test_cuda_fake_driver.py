@@ -16,7 +16,7 @@ import pytest
 import fake_cuda
 from gpumem import MemoryConfig, MemoryManager
 from gpumem.backends import cuda as cuda_mod
-from invariants import check, selected_backends
+from invariants import check
 
 MiB = 1 << 20
 HERE = Path(__file__).resolve().parents[1]   # tests/
@@ -43,21 +43,7 @@ def test_fake_driver_under_cuda_python_and_gpumem(fake_lib_dir):
     assert "ALL CHECKS PASSED" in out.stdout
 
 
-# --- with the fake loaded in this process ----------------------------------------------------
-@pytest.fixture
-def fake():
-    """The fake's helpers when this process's cuda backend runs on it; else skip."""
-    if "cuda" not in selected_backends(()):
-        pytest.skip("GPUMEM_TEST_BACKENDS does not name cuda")
-    ok, reason = cuda_mod.BACKEND.availability()
-    if not ok:
-        pytest.skip(f"backend 'cuda' unavailable: {reason}")
-    lib = ctypes.CDLL("libcuda.so.1")
-    if not hasattr(lib, "fake_cuda_live_allocations"):
-        pytest.skip("a real NVIDIA driver is loaded, not the fake")
-    return fake_cuda.helpers()
-
-
+# --- with the fake loaded in this process (the `fake` fixture of conftest.py) -----------------
 def _live(fake) -> tuple[int, int, int]:
     return (fake.fake_cuda_live_allocations(), fake.fake_cuda_live_events(),
             fake.fake_cuda_live_streams())

@@ -3,20 +3,14 @@
 threads at once (as numpy's test_extending does for numpy.random)."""
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
 import textwrap
 import threading
-from pathlib import Path
 
 import pytest
 
-import gpumem
+from cython_build import build_extension
 from invariants import check
 
-REPO_ROOT = Path(gpumem.__file__).resolve().parent.parent
 MiB = 1 << 20
 
 PYX = textwrap.dedent("""
@@ -90,37 +84,9 @@ PYX = textwrap.dedent("""
                  GM_BAD_BLOCK=GM_BAD_BLOCK)
 """)
 
-SETUP = textwrap.dedent("""
-    import sys
-    from Cython.Build import cythonize
-    from setuptools import Extension, setup
-
-    root = sys.argv.pop(1)
-    ext = Extension("gm_downstream", ["gm_downstream.pyx"], language="c++",
-                    include_dirs=[root], extra_compile_args=["-std=c++17", "-O1"])
-    setup(name="gm_downstream", ext_modules=cythonize(
-        [ext], include_path=[root], compiler_directives={"language_level": "3"}, quiet=True))
-""")
-
-
 @pytest.fixture(scope="module")
 def downstream(tmp_path_factory):
-    if os.name == "nt":
-        pytest.skip("the test build uses a Unix C++ compiler flag")
-    d = tmp_path_factory.mktemp("cython_api")
-    (d / "gm_downstream.pyx").write_text(PYX)
-    (d / "setup.py").write_text(SETUP)
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
-    proc = subprocess.run([sys.executable, "setup.py", str(REPO_ROOT), "build_ext", "--inplace"],
-                          cwd=d, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"building the downstream extension failed:\n{proc.stdout}\n" \
-                                 f"{proc.stderr}"
-    (so,) = [p for p in d.iterdir() if p.name.startswith("gm_downstream") and
-             p.suffix in (".so", ".pyd")]
-    spec = importlib.util.spec_from_file_location("gm_downstream", so)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return build_extension(tmp_path_factory.mktemp("cython_api"), PYX)
 
 
 @pytest.mark.slow

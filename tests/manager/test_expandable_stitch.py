@@ -19,7 +19,6 @@ from gpumem import MemoryConfig, MemoryManager, OutOfMemoryError
 from gpumem.errors import DriverError, DriverOutOfMemory
 from gpumem.units import MiB
 from invariants import check, sim_manager, snapshot_state
-from test_cuda_fake_driver import fake  # noqa: F401  (the fixture)
 
 pytestmark = pytest.mark.usefixtures("clean_registry")
 

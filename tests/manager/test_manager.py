@@ -14,7 +14,7 @@ import pytest
 import gpumem
 from gpumem import (Buffer, ClosedManagerError, DoubleFreeError, DriverError, FallbackBuffer,
                     MemoryConfig, MemoryManager, OutOfMemoryError)
-from invariants import check, snapshot_state
+from invariants import check, run_threads, snapshot_state
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -627,37 +627,29 @@ def test_fallback_buffer_free_and_with(sim_device, make_manager):
 def test_threads_malloc_and_free_concurrently(manager):
     dev = manager.device
     streams = [0, 0, dev.create_stream(), dev.create_stream()]
-    errors: list[BaseException] = []
     n_ops = 4000                                         # about 2000 malloc/free pairs
     start = threading.Barrier(4)
 
     def work(tid: int) -> None:
         rng = random.Random(tid)
         live: list[tuple[object, bytes]] = []
-        try:
-            start.wait()
-            for i in range(n_ops):
-                if live and (rng.random() < 0.5 or len(live) > 20):
-                    buf, tag = live.pop(rng.randrange(len(live)))
-                    assert bytes(buf.copy_to_host()[:8]) == tag, "block overwritten by another"
-                    buf.free()
-                else:
-                    n = rng.choice([8, 100, 4096, 50_000, 700_000, 3 * MiB])
-                    buf = manager.malloc(n, stream=streams[tid])
-                    tag = (tid * 1_000_000 + i).to_bytes(8, "little")
-                    buf.copy_from_host(tag)
-                    live.append((buf, tag))
-            for buf, tag in live:
-                assert bytes(buf.copy_to_host()[:8]) == tag
+        start.wait()
+        for i in range(n_ops):
+            if live and (rng.random() < 0.5 or len(live) > 20):
+                buf, tag = live.pop(rng.randrange(len(live)))
+                assert bytes(buf.copy_to_host()[:8]) == tag, "block overwritten by another"
                 buf.free()
-        except BaseException as exc:   # surfaced below
-            errors.append(exc)
+            else:
+                n = rng.choice([8, 100, 4096, 50_000, 700_000, 3 * MiB])
+                buf = manager.malloc(n, stream=streams[tid])
+                tag = (tid * 1_000_000 + i).to_bytes(8, "little")
+                buf.copy_from_host(tag)
+                live.append((buf, tag))
+        for buf, tag in live:
+            assert bytes(buf.copy_to_host()[:8]) == tag
+            buf.free()
 
-    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    errors = run_threads(work, range(4))
     assert not errors, errors
     st = manager.stats()
     assert st.num_allocs == st.num_frees and st.active_buffers == 0 and st.in_use_bytes == 0

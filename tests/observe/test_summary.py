@@ -49,6 +49,25 @@ def test_summary_figures_agree_with_stats_and_segments(tracked):
     json.dumps(d)                                       # JSON-ready
 
 
+def test_segment_rows_leave_out_the_holes_of_expandable_segments(sim_device):
+    """An expandable segment with unmapped pages (freed and given back by empty_cache) holds
+    no memory there: its row counts only mapped pages, so the rows add up to the totals."""
+    sim_device("1GiB")
+    with MemoryManager("sim:0", MemoryConfig(**EXACT, expandable_segments=True)) as mm:
+        bufs = [mm.malloc(3 * MiB) for _ in range(10)]
+        for b in bufs[::2]:
+            b.free()
+        mm.empty_cache()                                # unmaps the whole free pages
+        segs = mm.pool.segments()
+        assert any(b["state"] == "unmapped" for s in segs for b in s["blocks"])
+        st, rows = mm.stats(), summary_data(mm)["segments_by_class"]
+        assert sum(r["reserved_bytes"] for r in rows) == st.reserved_bytes
+        assert sum(r["in_use_bytes"] for r in rows) == st.in_use_bytes
+        assert sum(r["cached_bytes"] for r in rows) == st.cached_bytes
+        for b in bufs[1::2]:
+            b.free()
+
+
 def test_summary_table_reads_at_a_glance(tracked):
     text = tracked.memory_summary(top_tags=2)
     st = tracked.stats()
