@@ -541,6 +541,12 @@ class MemoryManager(StreamBook, MissPath, ManagerCore):
             except Exception as exc:  # keep returning the others
                 warnings.warn(f"gpumem: could not free segment {handle:#x} on close: {exc}",
                               RuntimeWarning)
+        if self._expandable is not None:
+            self._expandable.release_held()      # pages the driver refused to free before
+        if self._expandable is not None and self._expandable.held_pages:
+            warnings.warn(f"gpumem: {self.device_string} still refuses to free "
+                          f"{self._expandable.held_pages} page handle(s) on close",
+                          RuntimeWarning)
 
     def __del__(self) -> None:
         # Never block in a destructor: close only if the slow-path lock is free right now

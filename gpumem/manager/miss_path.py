@@ -212,7 +212,8 @@ class MissPath:
         given); the bytes released."""
         with self._slow:
             if (self.pool.reserved_bytes == self.pool.in_use_bytes
-                    and (self._expandable is None or not self._expandable.holds_empty())):
+                    and (self._expandable is None or not (self._expandable.holds_empty()
+                                                          or self._expandable.held_pages))):
                 return 0
             kwargs = {} if max_bytes is None else {"max_bytes": max_bytes}
             if small is not None:
