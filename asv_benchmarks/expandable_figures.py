@@ -5,7 +5,9 @@ for the default, constrained and inference presets. Prints a Markdown table: pea
 (the pool's peak reserved bytes, which with expandable segments are exactly the mapped pages)
 over peak live requested bytes, driver calls, modeled driver time (gpumem_sim.driver_costs: what
 those calls would cost on a CUDA GPU) and events/s (median of ``--repeat`` replays, off and on
-interleaved; on/off is the median of the per-repeat ratios).
+interleaved; on/off is the median of the per-repeat ratios). Beside them, the same ratio for the
+model of PyTorch's caching allocator (gpumem.TorchAllocatorModel on 80 GiB) with its default
+settings and with expandable_segments:True.
 
     python asv_benchmarks/expandable_figures.py [--repeat 3] [--configs default,constrained]
     python asv_benchmarks/expandable_figures.py --hit-pair   # malloc+free cache hits, off vs on
@@ -83,10 +85,14 @@ def main(argv: list[str] | None = None) -> int:
     if not rows:
         print("no traces found (set GPUMEM_TRACES)", file=sys.stderr)
         return 1
-    print("| trace | config | ratio off | ratio on | driver calls off | on | modeled driver "
-          "ms off | on | on/off | events/s off | on | on/off | OOMs off/on |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| trace | config | ratio off | ratio on | torch model | torch expandable | driver "
+          "calls off | on | modeled driver ms off | on | on/off | events/s off | on | on/off | "
+          "OOMs off/on |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    from gpumem.planning.torch_replay import replay_torch_model
     for label, data in rows:
+        torch_ratio = {conf: replay_torch_model(data, capacity=80 << 30, conf=conf)
+                       .reserved_live_ratio for conf in ("", "expandable_segments:True")}
         for preset in args.configs.split(","):
             first: dict[bool, object] = {}
             eps: dict[bool, list[float]] = {False: [], True: []}
@@ -100,7 +106,9 @@ def main(argv: list[str] | None = None) -> int:
             speed = statistics.median(b / a for a, b in zip(eps[False], eps[True]))
             m_off, m_on = off.modeled_driver_seconds, on_.modeled_driver_seconds
             print(f"| {label} | {preset} | {off.reserved_live_ratio:.3f} | "
-                  f"{on_.reserved_live_ratio:.3f} | {off.driver_calls:,} | {on_.driver_calls:,} "
+                  f"{on_.reserved_live_ratio:.3f} | {torch_ratio['']:.3f} | "
+                  f"{torch_ratio['expandable_segments:True']:.3f} | "
+                  f"{off.driver_calls:,} | {on_.driver_calls:,} "
                   f"| {m_off * 1e3:,.1f} | {m_on * 1e3:,.1f} | {m_on / m_off:.2f} | "
                   f"{statistics.median(eps[False]) / 1e6:.2f} M | "
                   f"{statistics.median(eps[True]) / 1e6:.2f} M | {speed:.2f} | "

@@ -38,7 +38,7 @@ import threading
 from collections import deque
 from typing import Any, NamedTuple
 
-from gpumem.backends.base import Device, DeviceProperties
+from gpumem.backends.base import Device, DeviceKind, DeviceProperties
 from gpumem.errors import DriverError, DriverOutOfMemory, InvalidInputError
 from gpumem.units import format_bytes
 from gpumem_sim._common import (_MMAP_KW, _UNSET, SimCall, _bytes_view, _fail_after_arg,
@@ -123,6 +123,7 @@ class SimDevice(VirtualMemory, ModeledDriverTime, Device):
     """
 
     backend = "sim"
+    kind = DeviceKind.SIMULATED
 
     def __init__(self, capacity: int | str, *, alignment: int = 256, name: str | None = None,
                  other_process_bytes: int | str = 0, back_memory: bool = False, seed: int = 0,
@@ -442,6 +443,11 @@ class SimDevice(VirtualMemory, ModeledDriverTime, Device):
                 seg.store.close()
                 seg.store = None
             self._record(SimCall("free", seg.nbytes, h, "ok"))
+
+    def segment_size(self, handle: int) -> int:
+        """The byte count of a live segment (InvalidInputError for an unknown handle)."""
+        with self._lock:
+            return self._segment(handle).nbytes
 
     def resolve(self, handle: int, offset: int, nbytes: int) -> int:
         """The address of ``nbytes`` at ``offset`` in the segment (checked to lie inside it)."""
