@@ -296,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
               expandable=args.expandable)
     print(f"capacity={args.capacity} fail_rate={args.fail_rate} "
           f"cpu_fallback={args.cpu_fallback} seed={args.seed} "
-          f"expandable={args.expandable}: {res}")
+          f"expandable={'default' if args.expandable is None else args.expandable}: {res}")
     for f in res.failures[:20]:
         print("  " + f)
     return 1 if res.failures else 0
