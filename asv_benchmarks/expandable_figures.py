@@ -11,6 +11,7 @@ settings and with expandable_segments:True.
 
     python asv_benchmarks/expandable_figures.py [--repeat 3] [--configs default,constrained]
     python asv_benchmarks/expandable_figures.py --hit-pair   # malloc+free cache hits, off vs on
+    python asv_benchmarks/expandable_figures.py --stitch-ratio 3   # another STITCH_RATIO
 """
 from __future__ import annotations
 
@@ -77,7 +78,15 @@ def main(argv: list[str] | None = None) -> int:
                     help="synthetic kinds to add ('' for none)")
     ap.add_argument("--seeds", default="0,1", help="seeds of each synthetic kind")
     ap.add_argument("--hit-pair", action="store_true", help="time cache hits instead")
+    ap.add_argument("--stitch-ratio", type=float, default=None,
+                    help="replace gpumem.manager.expandable.STITCH_RATIO (derived from the "
+                         "driver cost table) to see how the figures move with it")
     args = ap.parse_args(argv)
+    if args.stitch_ratio is not None:
+        if not args.stitch_ratio >= 0:
+            ap.error(f"--stitch-ratio must be a number >= 0, got {args.stitch_ratio}")
+        import gpumem.manager.expandable as expandable
+        expandable.STITCH_RATIO = args.stitch_ratio
     if args.hit_pair:
         hit_pairs()
         return 0

@@ -34,7 +34,7 @@ OTHER_VARIABLES = frozenset({
     "GPUMEM_DEVICE",            # the default device (gpumem.default_device, get_manager)
     "GPUMEM_DUMP_ON_OOM",       # history and snapshot dumps on OOM (gpumem.observe.history)
     "GPUMEM_TEST_DEVICES",      # the pytest plug-in (gpumem.testing)
-    "GPUMEM_TEST_EXPANDABLE_SEGMENTS",  # tests: the suite with expandable segments on
+    "GPUMEM_TEST_EXPANDABLE_SEGMENTS",  # tests: 0 runs the suite with expandable segments off
     "GPUMEM_TEST_SANITIZED",    # tests: ci/sanitize.sh's run (timing bounds widened)
     "GPUMEM_FRAMEWORK_EXTRAS",  # ci/gpu.sh
 })
@@ -81,9 +81,10 @@ class MemoryConfig:
     max_pool_size: int | None = None        # cached (free) bytes kept; None: no cap
     release_before_grow: bool = True        # before growing past the reserved high-water mark,
                                             # return idle segments that offset the growth
-    expandable_segments: bool = False       # large pool: one segment per stream that grows in
-                                            # place by mapping pages (needs virtual memory:
-                                            # cuda, sim); elsewhere plain segments are kept
+    expandable_segments: bool = True        # large pool: one segment per stream that grows in
+                                            # place by mapping pages where the device has
+                                            # virtual memory (cuda, sim); elsewhere (OpenCL,
+                                            # host) plain segments whatever this says
     # pressure: fractions of usable memory where MEDIUM, HIGH, CRITICAL begin
     pressure_thresholds: tuple[float, float, float] = (0.60, 0.80, 0.95)
     auto_release_at_high: bool = True       # at HIGH, trim the cache to high_cache_fraction

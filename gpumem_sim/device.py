@@ -8,8 +8,9 @@ depend only on the order of calls, and random faults come from ``random.Random(s
 Fault injection (armed at construction or later with :meth:`SimDevice.inject`):
 
 ``fail_after=n``
-    Counting the :meth:`~SimDevice.alloc_segment` calls made after the fault was armed (calls
-    with invalid arguments are not counted): the first ``n`` calls go to the allocator as usual
+    Counting the raw allocations made after the fault was armed: :meth:`~SimDevice.alloc_segment`
+    calls and the page creations of :meth:`~SimDevice.vm_create` (expandable segments take their
+    memory that way; calls with invalid arguments are not counted): the first ``n`` go through as usual
     (they may still fail for real lack of room), and every later call raises
     :class:`~gpumem.errors.DriverOutOfMemory`. ``fail_after=0`` fails every allocation;
     ``None`` disarms it.
@@ -18,10 +19,10 @@ Fault injection (armed at construction or later with :meth:`SimDevice.inject`):
     (whether or not a fault is armed) and fails when ``u < p``. The same seed therefore fails
     the same call numbers, and a higher rate fails a superset of the calls a lower rate fails.
 ``fail_free=True`` / ``fail_free=n``
-    ``True`` makes every :meth:`~SimDevice.free_segment` raise
-    :class:`~gpumem.errors.DriverError` until cleared; an int ``n`` fails only the next ``n``
-    calls. A failed free leaves the segment allocated (the driver did not free it), so a retry
-    can succeed.
+    ``True`` makes every :meth:`~SimDevice.free_segment` and :meth:`~SimDevice.vm_release`
+    raise :class:`~gpumem.errors.DriverError` until cleared; an int ``n`` fails only the next
+    ``n`` calls. A failed free leaves the segment (the page) allocated (the driver did not free
+    it), so a retry can succeed.
 ``fail_kind``
     ``"oom"`` (default): injected allocation failures raise ``DriverOutOfMemory``; ``"error"``:
     they raise a plain ``DriverError`` (code ``SIM_ERROR_INJECTED``), to test that a non-OOM
@@ -106,7 +107,8 @@ class SimDevice(VirtualMemory, ModeledDriverTime, Device):
     - Fault injection: see the module docstring (``fail_after``, ``fail_rate`` with ``seed``,
       ``fail_free``, ``fail_kind``).
     - Counters (``alloc_calls``, ``free_calls``, ``failed_allocs``, ``injected_failures``,
-      ``failed_frees``, ``synchronize_calls``, ``mem_get_info_calls``, ``peak_live_bytes``,
+      ``failed_frees``, ``synchronize_calls``, ``mem_get_info_calls``, ``stream_query_calls``,
+      ``peak_live_bytes``,
       ``live_segments``, ``live_bytes``) and the :attr:`calls` log let tests observe the
       driver traffic of the code under test.
     - Driver time is modeled (never slept): each call is charged what it would cost on a GPU
@@ -190,6 +192,7 @@ class SimDevice(VirtualMemory, ModeledDriverTime, Device):
         self.failed_frees = 0
         self.synchronize_calls = 0
         self.mem_get_info_calls = 0
+        self.stream_query_calls = 0          # stream_idle(): charged, not logged
         self.peak_live_bytes = 0
         self._vm_init(vm_gran, seed_v, _reserve_window(cap * VA_WINDOW_FACTOR))
 
@@ -262,7 +265,7 @@ class SimDevice(VirtualMemory, ModeledDriverTime, Device):
             self._calls.clear()
             self.alloc_calls = self.free_calls = self.failed_allocs = 0
             self.injected_failures = self.failed_frees = 0
-            self.synchronize_calls = self.mem_get_info_calls = 0
+            self.synchronize_calls = self.mem_get_info_calls = self.stream_query_calls = 0
             self.peak_live_bytes = self._live_bytes
             if self._meter is not None:
                 self._meter.reset()
@@ -356,16 +359,7 @@ class SimDevice(VirtualMemory, ModeledDriverTime, Device):
         reserved = -(-n // self._alignment) * self._alignment
         with self._lock:
             self.alloc_calls += 1
-            call_no = self.alloc_calls
-            u = self._rng.random()  # one draw per counted call, whatever is armed
-            injected = None
-            if self._fail_after_left is not None:
-                if self._fail_after_left == 0:
-                    injected = f"fail_after: the allowed allocations are used up (call {call_no})"
-                else:
-                    self._fail_after_left -= 1
-            if injected is None and u < self._fail_rate:
-                injected = f"fail_rate={self._fail_rate} (seed {self._seed}, call {call_no})"
+            injected = self._alloc_fault(f"call {self.alloc_calls}")
             if injected is not None:
                 self.failed_allocs += 1
                 self.injected_failures += 1
@@ -530,6 +524,9 @@ class SimDevice(VirtualMemory, ModeledDriverTime, Device):
     def stream_idle(self, stream: int) -> bool:
         with self._lock:
             s = self._stream(stream)
+            self.stream_query_calls += 1
+            if self._meter is not None:
+                self._meter.charge("stream_query")
             return self._completed[s] == self._submitted[s]
 
     def synchronize(self) -> None:
@@ -618,6 +615,18 @@ class SimDevice(VirtualMemory, ModeledDriverTime, Device):
         """Nothing to release: segments stay allocated until freed (idempotent)."""
 
     # --- helpers (call with the lock held) ---------------------------------------------------
+    def _alloc_fault(self, call: str) -> str | None:
+        """The armed fail_after / fail_rate fault of one raw allocation (a segment, or a page
+        created by vm_create): why it fails, or None. One draw per call, whatever is armed."""
+        u = self._rng.random()
+        if self._fail_after_left is not None:
+            if self._fail_after_left == 0:
+                return f"fail_after: the allowed allocations are used up ({call})"
+            self._fail_after_left -= 1
+        if u < self._fail_rate:
+            return f"fail_rate={self._fail_rate} (seed {self._seed}, {call})"
+        return None
+
     def _record(self, call: SimCall) -> None:
         """Log a driver call and charge its modeled time (the fixed part only when it
         failed: the driver spent the call's overhead, not the per-byte work)."""

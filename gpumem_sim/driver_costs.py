@@ -34,7 +34,7 @@ __all__ = ["CALLS", "CUDA_DRIVER_COSTS", "SIM_OPS", "DriverCostModel", "DriverCo
 CALLS: tuple[str, ...] = (
     "segment_alloc", "segment_free", "vm_reserve", "vm_free", "vm_create", "vm_map",
     "vm_set_access", "vm_unmap", "vm_release", "synchronize", "event_record", "event_query",
-    "mem_get_info",
+    "stream_query", "mem_get_info",
 )
 
 _US = 1e-6
@@ -56,19 +56,24 @@ CUDA_DRIVER_COSTS: Mapping[str, tuple[float, float]] = MappingProxyType({
     "synchronize": (10.0 * _US, 0.0),                     # cuCtxSynchronize, idle device
     "event_record": (0.25 * _US, 0.0),                    # cuEventRecord, timing disabled
     "event_query": (0.2 * _US, 0.0),                      # cuEventQuery (estimate)
+    "stream_query": (0.2 * _US, 0.0),                     # cuStreamQuery (estimate: as above)
     "mem_get_info": (4.85 * _US, 0.0),                    # cuMemGetInfo
 })
 
 #: Which priced calls each entry of :attr:`SimDevice.calls` (its ``op``) stands for. The sim's
 #: ``vm_map`` maps and sets access in one call, as gpumem's CUDA backend does with
-#: cuMemMap + cuMemSetAccess, so it is charged both. ``event_record``, ``event_query`` and
-#: ``mem_get_info`` are charged but not logged (queries would flood the log; see SimDevice).
+#: cuMemMap + cuMemSetAccess, so it is charged both; ``vm_map_many`` logs one ``vm_map_many``
+#: per handle (a cuMemMap each) and one ``vm_set_access`` for the whole range. ``event_record``,
+#: ``event_query``, ``stream_query`` and ``mem_get_info`` are charged but not logged (queries
+#: would flood the log; see SimDevice).
 SIM_OPS: Mapping[str, tuple[str, ...]] = MappingProxyType({
     "alloc": ("segment_alloc",), "free": ("segment_free",), "synchronize": ("synchronize",),
     "vm_reserve": ("vm_reserve",), "vm_free": ("vm_free",), "vm_create": ("vm_create",),
-    "vm_map": ("vm_map", "vm_set_access"), "vm_unmap": ("vm_unmap",),
+    "vm_map": ("vm_map", "vm_set_access"), "vm_map_many": ("vm_map",),
+    "vm_set_access": ("vm_set_access",), "vm_unmap": ("vm_unmap",),
     "vm_release": ("vm_release",), "event_record": ("event_record",),
-    "event_query": ("event_query",), "mem_get_info": ("mem_get_info",),
+    "event_query": ("event_query",), "stream_query": ("stream_query",),
+    "mem_get_info": ("mem_get_info",),
 })
 
 CostArg = Union[float, "tuple[float, float]"]

@@ -7,12 +7,19 @@ The model follows the CUDA VMM rules that gpumem's backend protocol keeps (see
   capacity) and do not count against ``mem_get_info``. Physical page handles do, exactly like
   segments, and a page that does not fit fails with ``DriverOutOfMemory``.
 - Every size and address is a multiple of :attr:`VirtualMemory.vm_granularity`.
+- :meth:`VirtualMemory.vm_map_many` maps several handles side by side and grants access to the
+  whole range once (CUDA: one cuMemMap per handle, one cuMemSetAccess over a range that holds
+  whole mappings); it is logged as one ``vm_map_many`` entry per handle and one
+  ``vm_set_access`` entry, so the cost model charges each cuMemMap and the one access call.
 - A handle is mapped whole, at most once, inside one reservation, over unmapped bytes only; a
   mapped handle cannot be released and a reservation with mappings cannot be freed.
 - A reservation's address is a segment handle for resolve / copies / memset; copies and memset
   touching unmapped bytes fail (with ``back_memory=True``; without it there are no bytes).
 - Faults (:meth:`VirtualMemory.inject_vm`): fail page creation or mapping after ``n`` more calls
-  and/or at a rate, from their own ``random.Random(seed)`` so segment faults stay as they were.
+  and/or at a rate, from their own ``random.Random(seed)``. The device's own ``inject()`` faults
+  apply too: a page creation is a raw allocation (``fail_after``, ``fail_rate``, ``fail_kind``)
+  and a page release a free (``fail_free``), so a test that fails "the driver's allocations"
+  does so whether the pool uses segments or pages.
   Creation fails with ``DriverOutOfMemory``; mapping too, or with a plain ``DriverError`` when
   the device's ``fail_kind`` is ``"error"``.
 - Counters for leak tests: ``live_page_handles``, ``live_mappings``, ``live_reservations``,
@@ -40,7 +47,7 @@ DEFAULT_VM_GRANULARITY = 2 << 20
 #: The address window for reservations is this many times the capacity.
 VA_WINDOW_FACTOR = 16
 
-_VM_OPS = ("reserve", "free", "create", "map", "unmap", "release")
+_VM_OPS = ("reserve", "free", "create", "map", "set_access", "unmap", "release")
 
 
 class _Fault:
@@ -110,7 +117,11 @@ class VirtualMemory:
     _live_bytes: int
     _back_memory: bool
     _fail_kind: str
+    _fail_free_left: Any
     _record: Any
+    _alloc_fault: Any
+    injected_failures: int
+    failed_frees: int
     peak_live_bytes: int
 
     def _vm_init(self, granularity: int, seed: int, window: int) -> None:
@@ -179,9 +190,11 @@ class VirtualMemory:
                 f"({format_bytes(self._vm_gran)}) on {self.device_string}")
         return n
 
-    def _vm_log(self, op: str, nbytes: int, handle: int | None, outcome: str = "ok") -> None:
+    def _vm_log(self, op: str, nbytes: int, handle: int | None, outcome: str = "ok",
+                logged_as: str | None = None) -> None:
         self.vm_calls[op] += 1
-        self._record(SimCall("vm_" + op, nbytes, handle, outcome))   # logs and charges it
+        # logs and charges it
+        self._record(SimCall(logged_as or "vm_" + op, nbytes, handle, outcome))
 
     def vm_reserve(self, nbytes: int) -> int:
         n = self._vm_size(nbytes)
@@ -221,6 +234,16 @@ class VirtualMemory:
         n = self._vm_size(nbytes)
         with self._lock:
             injected = self._create_fault.fires()
+            if injected is None:                 # a page is a raw allocation too (inject())
+                injected = self._alloc_fault(f"page creation {self.vm_calls['create'] + 1}")
+                if injected is not None:
+                    self.injected_failures += 1
+                    if self._fail_kind == "error":
+                        self._vm_log("create", n, None, "injected_error")
+                        err = DriverError(f"{self.device_string}: injected driver error "
+                                          f"creating a {format_bytes(n)} page ({injected})")
+                        err.injected = True  # type: ignore[attr-defined]
+                        raise err
             if injected is not None:
                 self._vm_log("create", n, None, "injected_oom")
                 exc = DriverOutOfMemory(f"{self.device_string}: out of memory creating a "
@@ -263,55 +286,91 @@ class VirtualMemory:
     def vm_map(self, address: int, nbytes: int, handle: int) -> None:
         n = self._vm_size(nbytes)
         with self._lock:
-            page = self._vm_page(handle)
-            if page.nbytes != n:
-                raise InvalidInputError(f"{self.device_string}: page {handle} is {page.nbytes} "
-                                        f"bytes; it is mapped whole, not {n}")
-            if page.mapped_at is not None:
-                raise InvalidInputError(f"{self.device_string}: page {handle} is already mapped "
-                                        f"at {page.mapped_at:#x}")
-            res = self._vm_reservation(address)
-            if res is None or address + n > res.address + res.nbytes:
-                raise InvalidInputError(
-                    f"{self.device_string}: [{address:#x}, +{n}) does not lie inside one "
-                    f"reservation; map only into ranges from vm_reserve")
-            if (address - res.address) % self._vm_gran:
-                raise InvalidInputError(f"{self.device_string}: address {address:#x} is not "
-                                        f"aligned to the granularity {self._vm_gran}")
-            off = address - res.address
-            if res.overlaps(off, n):
-                raise InvalidInputError(f"{self.device_string}: [{address:#x}, +{n}) overlaps "
-                                        f"a mapping; unmap it first")
-            injected = self._map_fault.fires()
-            if injected is not None:
-                self._vm_log("map", n, handle, "injected_error")
-                cls = DriverError if self._fail_kind == "error" else DriverOutOfMemory
-                exc = cls(f"{self.device_string}: injected failure mapping page "
-                          f"{handle} at {address:#x} ({injected})")
-                exc.injected = True  # type: ignore[attr-defined]
-                raise exc
-            bisect.insort(res.starts, off)
-            res.pages[off] = page
-            page.mapped_at = address
-            self.mapped_bytes += n
-            self._vm_log("map", n, handle)
+            self._vm_map_one(address, n, handle, "vm_map")
+
+    def vm_map_many(self, address: int, handles: Any) -> None:
+        """Map each ``(handle, nbytes)`` of ``handles`` in turn from ``address`` on and grant
+        access to the whole range once. All or nothing: on a refused handle the ones this call
+        mapped are unmapped again before the error propagates."""
+        try:
+            raw = [(h, n) for h, n in handles]
+        except (TypeError, ValueError):
+            raise InvalidInputError(f"handles must be (handle, nbytes) pairs, got "
+                                    f"{handles!r}") from None
+        pairs = [(h, self._vm_size(n)) for h, n in raw]
+        if not pairs:
+            raise InvalidInputError("vm_map_many needs at least one (handle, nbytes) pair")
+        with self._lock:
+            done: list[tuple[int, int]] = []
+            at = address
+            try:
+                for handle, n in pairs:
+                    self._vm_map_one(at, n, handle, "vm_map_many")
+                    done.append((at, n))
+                    at += n
+            except BaseException:
+                for a, n in reversed(done):         # nothing of this call stays mapped
+                    self._vm_unmap_one(a, n, log=False)
+                raise
+            self._vm_log("set_access", at - address, None)
+
+    def _vm_map_one(self, address: int, n: int, handle: int, op: str) -> None:
+        """Map ``handle`` (``n`` bytes) at ``address``; lock held, ``n`` checked."""
+        page = self._vm_page(handle)
+        if page.nbytes != n:
+            raise InvalidInputError(f"{self.device_string}: page {handle} is {page.nbytes} "
+                                    f"bytes; it is mapped whole, not {n}")
+        if page.mapped_at is not None:
+            raise InvalidInputError(f"{self.device_string}: page {handle} is already mapped "
+                                    f"at {page.mapped_at:#x}")
+        res = self._vm_reservation(address)
+        if res is None or address + n > res.address + res.nbytes:
+            raise InvalidInputError(
+                f"{self.device_string}: [{address:#x}, +{n}) does not lie inside one "
+                f"reservation; map only into ranges from vm_reserve")
+        if (address - res.address) % self._vm_gran:
+            raise InvalidInputError(f"{self.device_string}: address {address:#x} is not "
+                                    f"aligned to the granularity {self._vm_gran}")
+        off = address - res.address
+        if res.overlaps(off, n):
+            raise InvalidInputError(f"{self.device_string}: [{address:#x}, +{n}) overlaps "
+                                    f"a mapping; unmap it first")
+        injected = self._map_fault.fires()
+        if injected is not None:
+            self._vm_log("map", n, handle, "injected_error", op)
+            cls = DriverError if self._fail_kind == "error" else DriverOutOfMemory
+            exc = cls(f"{self.device_string}: injected failure mapping page "
+                      f"{handle} at {address:#x} ({injected})")
+            exc.injected = True  # type: ignore[attr-defined]
+            raise exc
+        bisect.insort(res.starts, off)
+        res.pages[off] = page
+        page.mapped_at = address
+        self.mapped_bytes += n
+        self._vm_log("map", n, handle, "ok", op)
 
     def vm_unmap(self, address: int, nbytes: int) -> None:
         n = self._vm_size(nbytes)
         with self._lock:
-            res = self._vm_reservation(address)
-            page = res.pages.get(address - res.address) if res is not None else None
-            if page is None:
-                raise InvalidInputError(f"{self.device_string}: no mapping starts at "
-                                        f"{address!r}")
-            if page.nbytes != n:
-                raise InvalidInputError(f"{self.device_string}: the mapping at {address:#x} is "
-                                        f"{page.nbytes} bytes; unmap it whole, not {n}")
-            off = address - res.address
-            del res.pages[off]
-            del res.starts[bisect.bisect_left(res.starts, off)]   # not list.remove: O(n) scan
-            page.mapped_at = None
-            self.mapped_bytes -= n
+            self._vm_unmap_one(address, n)
+
+    def _vm_unmap_one(self, address: int, n: int, log: bool = True) -> None:
+        """Remove the mapping of ``n`` bytes at ``address``; lock held. ``log=False``: the undo
+        of a refused vm_map_many, which the driver never did (not logged, not charged)."""
+        res = self._vm_reservation(address)
+        page = res.pages.get(address - res.address) if res is not None else None
+        if page is None:
+            raise InvalidInputError(f"{self.device_string}: no mapping starts at "
+                                    f"{address!r}")
+        if page.nbytes != n:
+            raise InvalidInputError(f"{self.device_string}: the mapping at {address:#x} is "
+                                    f"{page.nbytes} bytes; unmap it whole, not {n}")
+        off = address - res.address
+        del res.pages[off]
+        del res.starts[bisect.bisect_left(res.starts, off)]   # not list.remove: O(n) scan
+        page.mapped_at = None
+        self.mapped_bytes -= n
+        if log:
             self._vm_log("unmap", n, page.handle)
 
     def vm_release(self, handle: int) -> None:
@@ -320,6 +379,15 @@ class VirtualMemory:
             if page.mapped_at is not None:
                 raise InvalidInputError(f"{self.device_string}: page {handle} is still mapped at "
                                         f"{page.mapped_at:#x}; unmap it before releasing it")
+            if self._fail_free_left > 0:         # inject(fail_free=...): a refused free
+                self._fail_free_left -= 1
+                self.failed_frees += 1
+                self._vm_log("release", page.nbytes, handle, "injected_error")
+                exc = DriverError(f"{self.device_string}: injected failure freeing page "
+                                  f"{handle} ({format_bytes(page.nbytes)}); it is still "
+                                  f"allocated")
+                exc.injected = True  # type: ignore[attr-defined]
+                raise exc
             del self._pages[handle]
             self._live_bytes -= page.nbytes
             if page.store is not None:

@@ -287,14 +287,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fail-rate", type=float, default=0.0)
     ap.add_argument("--cpu-fallback", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--expandable", action="store_true", help="expandable segments on")
+    ap.add_argument("--expandable", action=argparse.BooleanOptionalAction, default=None,
+                    help="expandable segments on / off (default: as "
+                         "GPUMEM_TEST_EXPANDABLE_SEGMENTS says: on unless it is 0)")
     args = ap.parse_args(argv)
     res = run(ops=args.ops, seconds=args.seconds, workers=args.workers, capacity=args.capacity,
               fail_rate=args.fail_rate, cpu_fallback=args.cpu_fallback, seed=args.seed,
               expandable=args.expandable)
     print(f"capacity={args.capacity} fail_rate={args.fail_rate} "
           f"cpu_fallback={args.cpu_fallback} seed={args.seed} "
-          f"expandable={args.expandable}: {res}")
+          f"expandable={'default' if args.expandable is None else args.expandable}: {res}")
     for f in res.failures[:20]:
         print("  " + f)
     return 1 if res.failures else 0

@@ -45,7 +45,7 @@ import inspect
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from gpumem.errors import InvalidInputError, UnsupportedOperationError
 
@@ -295,6 +295,23 @@ class Device(abc.ABC):
         """Map the whole of ``handle`` (``nbytes`` long) at ``address`` and give the device
         read/write access. On failure nothing stays mapped."""
         raise self._no_virtual_memory("vm_map")
+
+    def vm_map_many(self, address: int, handles: Sequence[tuple[int, int]]) -> None:
+        """Map each ``(handle, nbytes)`` in turn from ``address`` on (side by side) with
+        read/write access, all or nothing: on failure none of them stays mapped. A backend
+        whose driver sets access over a range of several mappings at once (CUDA's
+        cuMemSetAccess) overrides this to do so with one call; this default maps one by one."""
+        done: list[tuple[int, int]] = []
+        at = address
+        try:
+            for handle, nbytes in handles:
+                self.vm_map(at, nbytes, handle)
+                done.append((at, nbytes))
+                at += nbytes
+        except BaseException:
+            for a, n in reversed(done):
+                self.vm_unmap(a, n)
+            raise
 
     def vm_unmap(self, address: int, nbytes: int) -> None:
         """Remove the one mapping that starts at ``address`` and spans ``nbytes``."""

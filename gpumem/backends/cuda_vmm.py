@@ -1,7 +1,10 @@
 """Virtual memory on CUDA: the ``vm_*`` calls of the backend protocol over the driver's VMM API
 (``cuMemGetAllocationGranularity``, ``cuMemAddressReserve``/``Free``, ``cuMemCreate``/``Release``,
-``cuMemMap`` + ``cuMemSetAccess``, ``cuMemUnmap``), each through :func:`gpumem.backends.cuda_driver.check`
-with the device's primary context current, like every other call of the cuda backend.
+``cuMemMap`` + ``cuMemSetAccess``, ``cuMemUnmap``), each through
+:func:`gpumem.backends.cuda_driver.check` with the device's primary context current, like every
+other call of the cuda backend. :meth:`CudaVirtualMemory.vm_map_many` maps several handles side
+by side and grants access to the whole range with one cuMemSetAccess (its range may hold several
+whole mappings), as PyTorch's expandable segments do.
 
 These calls run on the pool's miss and release paths only, so they go through
 ``cuda.bindings.driver`` (the Cython fast path covers the per-allocation calls).
@@ -11,7 +14,7 @@ adds (live reservations, for resolve/copies, and page handles) is guarded by the
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 from gpumem.backends.cuda_driver import check
 from gpumem.errors import DriverError, InvalidInputError
@@ -121,25 +124,52 @@ class CudaVirtualMemory:
         with self._lock:
             del self._pages[handle]
 
-    def vm_map(self, address: int, nbytes: int, handle: int) -> None:
-        n = self._vm_size(nbytes)
-        with self._lock:
-            h = self._pages.get(handle)
-        if h is None:
-            raise InvalidInputError(f"{self.device_string}: unknown page handle {handle!r}")
+    def _access_desc(self) -> Any:
         drv = self._drv
         access = drv.CUmemAccessDesc()
         access.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
         access.location.id = self.index
         access.flags = drv.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-        self._call("cuMemMap", drv.cuMemMap, address, n, 0, h, 0)  # type: ignore[attr-defined]
+        return access
+
+    def vm_map(self, address: int, nbytes: int, handle: int) -> None:
+        self._map_pages(address, [(handle, nbytes)])
+
+    def vm_map_many(self, address: int, handles: Sequence[tuple[int, int]]) -> None:
+        """cuMemMap for each ``(handle, nbytes)`` side by side from ``address``, then one
+        cuMemSetAccess over the whole range (it may hold several whole mappings). On failure
+        every mapping of this call is undone."""
+        self._map_pages(address, handles)
+
+    def _map_pages(self, address: int, handles: Sequence[tuple[int, int]]) -> None:
+        pairs = [(self._vm_size(n), handle) for handle, n in handles]
+        if not pairs:
+            raise InvalidInputError("vm_map_many needs at least one (handle, nbytes) pair")
+        objs = []
+        with self._lock:
+            for _, handle in pairs:
+                h = self._pages.get(handle)
+                if h is None:
+                    raise InvalidInputError(f"{self.device_string}: unknown page handle "
+                                            f"{handle!r}")
+                objs.append(h)
+        drv = self._drv
+        done: list[tuple[int, int]] = []
+        at = address
         try:
-            self._call("cuMemSetAccess", drv.cuMemSetAccess, address, n, [access], 1)  # type: ignore[attr-defined]
+            for (n, _), h in zip(pairs, objs):
+                self._call("cuMemMap", drv.cuMemMap, at, n, 0, h, 0)  # type: ignore[attr-defined]
+                done.append((at, n))
+                at += n
+            self._call("cuMemSetAccess", drv.cuMemSetAccess, address, at - address,  # type: ignore[attr-defined]
+                       [self._access_desc()], 1)
         except BaseException:
-            drv.cuMemUnmap(address, n)             # nothing stays mapped on failure
+            for a, n in reversed(done):             # nothing stays mapped on failure
+                drv.cuMemUnmap(a, n)
             raise
         with self._lock:
-            self._mappings[address] = n
+            for a, n in done:
+                self._mappings[a] = n
 
     def vm_unmap(self, address: int, nbytes: int) -> None:
         n = self._vm_size(nbytes)

@@ -94,11 +94,13 @@ def progress_for(n_events: int, flag: bool | None) -> bool:
 
 
 def replay_cfg(args: argparse.Namespace) -> Any:
-    """The --config preset, with expandable segments when --expandable-segments is given."""
-    if not getattr(args, "expandable_segments", False):
+    """The --config preset; --expandable-segments / --no-expandable-segments override its
+    expandable_segments (on by default where the device has virtual memory)."""
+    choice = getattr(args, "expandable_segments", None)
+    if choice is None:
         return args.config
     from gpumem.observe.replay import replay_config
-    return replay_config(args.config).replace(expandable_segments=True)
+    return replay_config(args.config).replace(expandable_segments=bool(choice))
 
 
 def write_json(obj: Any, dest: str) -> None:

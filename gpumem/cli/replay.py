@@ -76,8 +76,9 @@ def replay_flags(s: argparse.ArgumentParser) -> None:
     s.add_argument("--config", default="default", choices=CONFIG_PRESETS,
                    help="MemoryConfig preset (CPU fallback off, no free margin)")
     s.add_argument("--phase", help="replay one phase of the trace (from its .json sidecar)")
-    s.add_argument("--expandable-segments", action="store_true",
-                   help="grow large-pool segments in place (devices with virtual memory)")
+    s.add_argument("--expandable-segments", action=argparse.BooleanOptionalAction, default=None,
+                   help="grow large-pool segments in place (on by default on devices with "
+                        "virtual memory; --no-expandable-segments: plain segments)")
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -1,25 +1,29 @@
 """Expandable segments: large-pool segments whose pages are mapped, unmapped and moved.
 
-With ``MemoryConfig(expandable_segments=True)`` on a device with virtual memory (cuda, sim), a
-large-pool miss does not ask the driver for a new segment. Each stream gets a reserved address
-range (as large as the manager's usable memory: address space costs nothing) that the pool sees
-as one segment; every page (the device's VM granularity) has its own physical handle, so single
-pages can be unmapped and moved. Inside a segment a range is live, free (mapped, cached) or
+On by default on a device with virtual memory (cuda, sim; ``MemoryConfig(
+expandable_segments=False)`` or ``GPUMEM_EXPANDABLE_SEGMENTS=0`` turns it off), a large-pool miss
+does not ask the driver for a new segment. Each stream gets a reserved address range (as large
+as the manager's usable memory: address space costs nothing) that the pool sees as one segment;
+every page (the device's VM granularity) has its own physical handle, so single pages can be
+unmapped and moved (the driver maps and unmaps whole handles only: a handle of several pages
+could move only when all of it is free, which measured 1.08-1.17 on traces where pages must
+move, docs/expandable_segments.md). Inside a segment a range is live, free (mapped, cached) or
 unmapped (a hole: no physical memory; the pool's unmapped block state, pool_pages.pyx).
 
 A miss (:meth:`ExpandableSegments.grow`) asks the pool where mapping the fewest pages makes
 the request fit: into a hole joined with its free neighbours, or at the segment's end joined
 with its free tail. The pages come first from the free whole pages elsewhere in the stream's
 segments (**stitching**: they are unmapped there, leaving a hole, and mapped where the request
-needs them; no new physical memory), and only the rest are created. Moving a page costs a
-``device.synchronize()`` first (once per stitching miss): the page may still be in use by work
-queued on the stream that freed its block. Pages only move between segments of the one stream
-whose heap holds their free block. When a stream's reservation is used up and no hole fits, it
-gets another reservation (another segment).
+needs them; no new physical memory), and only the rest are created. All pages of one miss are
+mapped by one ``vm_map_many`` (a cuMemMap per page, one cuMemSetAccess for the range). Pages only
+move between segments of the one stream whose heap holds their free block, and the device is
+synchronized first only when that stream still has work queued (:meth:`_drain` says why). When
+a stream's reservation is used up and no hole fits, it gets another reservation.
 
-Memory goes back page by page: :meth:`ExpandableSegments.trim` (empty_cache, shrink, the cache
-cap, pressure responses and the OOM ladder, through ``SegmentGrowth.release_cached``) unmaps
-and releases every free whole page, inside segments too, after one ``device.synchronize()``; a
+Memory goes back page by page, and only when asked: freed pages stay mapped and cached until
+:meth:`ExpandableSegments.trim` (empty_cache, shrink, the cache cap, pressure responses and the
+OOM ladder, through ``SegmentGrowth.release_cached``) unmaps and releases every free whole
+page, inside segments too (the same stream rule decides whether it synchronizes first); a
 segment without live blocks is detached by the pool and released whole (:meth:`release`).
 
 Failures roll back completely: when a page cannot be created, unmapped or mapped, the pages of
@@ -42,25 +46,37 @@ import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from gpumem.errors import DriverError, DriverOutOfMemory
+from gpumem.errors import DriverError, DriverOutOfMemory, InvalidInputError
 
 if TYPE_CHECKING:
     from gpumem.manager.growth import Growth
 
 __all__ = ["ExpandableSegments", "STITCH_RATIO"]
 
-#: a free block between live ones gives its whole pages to a stitch only when they are at
-#: least this many times the free bytes left stranded around them (1.75 + 1.25 MiB around
-#: three 2 MiB pages of a 9 MiB block: no). Stranding more costs more new pages later than
-#: it saves now. Measured on the shared traces (default and constrained presets, trims from
-#: the top): 2 raises gpt2_generate from 1.018 to 1.045; 2.25 raises resnet50_train
-#: constrained to 1.026; 2.75 and 3 leave resnet50_train at 1.022; 4 and higher raise
-#: bert_varlen_infer to 1.034-1.038. 2.5 keeps every trace at or under 1.02.
-STITCH_RATIO = 2.5
+# Per-page driver costs (gpumem_sim.driver_costs.CUDA_DRIVER_COSTS, A100, 2 MiB pages, in us):
+# making a page where a request needs it costs cuMemCreate + cuMemMap + cuMemSetAccess, moving
+# one there costs cuMemUnmap + cuMemMap + cuMemSetAccess (a single page: no range to share the
+# access call with).
+_CREATE_US = 193.32 + 1.45 + 35.99
+_MOVE_US = 25.63 + 1.45 + 35.99
+
+#: A free block between live ones (neither end on a page boundary) gives its w bytes of whole
+#: pages to a stitch only when w >= STITCH_RATIO * s, s being the free bytes left stranded
+#: around them. Blocks with an end on a page boundary strand nothing and always give. The
+#: derivation, in driver time per byte: moving w instead of creating it saves
+#: w * (create - move) now. The cut leaves a hole between two small free pieces, so the block
+#: is whole again only after w is moved back (w * move) and meanwhile its s stranded bytes
+#: may have to be made anew elsewhere (s * create). Moving pays when
+#: w * (create - move) >= w * move + s * create, that is w / s >= create / (create - 2 move):
+#: 2.21 with the table above. docs/expandable_segments.md shows the figures for other values.
+STITCH_RATIO = _CREATE_US / (_CREATE_US - 2 * _MOVE_US)
 
 #: plans tried for one miss before it is left to the OOM ladder (a concurrent hit took the
 #: free neighbours each time)
 _ATTEMPTS = 3
+
+#: no stream: streams_with_free() then lists every stream that caches free blocks
+_NO_STREAM = (1 << 64) - 1
 
 
 @dataclass(eq=False)
@@ -83,7 +99,8 @@ class ExpandableSegments:
         self.driver_calls = 0                          # vm_* calls made (figures, tests)
         self.segment_events = 0                        # segments adopted or released whole
         self.stitched_bytes = 0                        # pages moved instead of created
-        self.stitch_syncs = 0                          # device.synchronize() calls for moves
+        self.stitch_syncs = 0                          # synchronize() before moves or trims
+        self._held: list[int] = []                     # unmapped pages the driver would not free
 
     # --- queries ---------------------------------------------------------------------------------
     def owns(self, handle: int) -> bool:
@@ -119,13 +136,12 @@ class ExpandableSegments:
         """A Buffer of ``nbytes`` for a large-pool miss, or None when the limits or the driver
         refuse (nothing changed then). Non-OOM driver errors propagate, after the rollback."""
         mm = self._mm
-        free, _ = self._dev.mem_get_info()          # before this miss maps anything
         for _ in range(_ATTEMPTS):
             plan = self._plan(nbytes, stream)
             if plan is None:                        # no segment, or every reservation used up
                 return self._grow_new(nbytes, stream, tag)
             seg, offset, size, keep, at_end = plan
-            if size and not self._map_range(seg, offset, size, keep, stream, free):
+            if size and not self._map_range(seg, offset, size, keep, stream):
                 return None
             if at_end and size:
                 buf = mm.alloc_in_grown_segment(seg.address, size, nbytes, stream, tag)
@@ -176,7 +192,7 @@ class ExpandableSegments:
         return out
 
     def _map_range(self, seg: _Segment, offset: int, size: int, keep: tuple[int, int],
-                   stream: int, free: int) -> bool:
+                   stream: int) -> bool:
         """Map pages at [offset, offset + size) of ``seg``: moved ones first, then new ones.
         False (nothing changed) when the limits or the driver refuse; other errors propagate
         after the rollback."""
@@ -189,51 +205,41 @@ class ExpandableSegments:
             # past the high-water mark: idle small-pool segments go back to the device first
             # (the large pool cannot use them); release_before_grow's rule across the pools
             self._mm.release_cached(new, reason="release before expandable growth", small=True)
-        if new and not self._mm.segment_allowed(new, pool.reserved_bytes, free):
+        if new and not self._mm.segment_allowed(new, pool.reserved_bytes,
+                                                 self._dev.mem_get_info()[0]):
             self._refill(sources, stream)
             return False
         loose: list[tuple[int, tuple[_Segment, int] | None]] = []    # (handle, origin)
-        placed: list[tuple[int, int, tuple[_Segment, int] | None]] = []  # mapped in seg
         done = 0
         try:
             if sources:
-                self._dev.synchronize()             # the stream's queued work may use them
-                self.stitch_syncs += 1
+                self._drain((stream,))
             for src, off in sources:
                 self._call(self._dev.vm_unmap, src.address + off, self.page)
                 loose.append((src.pages.pop(off), (src, off)))
                 done += 1
-            for target in range(offset, offset + size, self.page):
-                if loose:
-                    handle, origin = loose.pop()
-                else:
-                    handle, origin = self._call(self._dev.vm_create, self.page), None
-                try:
-                    self._call(self._dev.vm_map, seg.address + target, self.page, handle)
-                except BaseException:
-                    loose.append((handle, origin))
-                    raise
-                seg.pages[target] = handle
-                placed.append((target, handle, origin))
+            while len(loose) < count:
+                loose.append((self._call(self._dev.vm_create, self.page), None))
+            # one call maps every page of the range (moved ones first, then new ones) and
+            # grants access to the range at once; on failure none of them is mapped
+            self._map_many(seg.address + offset, [handle for handle, _ in loose])
         except BaseException as exc:
-            self._roll_back(seg, placed, loose, sources[done:], stream)
+            self._roll_back(loose, sources[done:], stream)
             if isinstance(exc, DriverOutOfMemory):
                 return False
             raise
+        seg.pages.update(zip(range(offset, offset + size, self.page),
+                             (handle for handle, _ in loose)))
         self.stitched_bytes += len(sources) * self.page
         return True
 
-    def _roll_back(self, seg: _Segment, placed: list[tuple[int, int, Any]],
-                   loose: list[tuple[int, Any]], untouched: list[tuple[_Segment, int]],
+    def _roll_back(self, loose: list[tuple[int, Any]], untouched: list[tuple[_Segment, int]],
                    stream: int) -> None:
-        """Undo a failed _map_range: pages mapped at the target come off again; moved pages go
-        back where they were (released if that is refused too); new ones are released; carved
-        pages never unmapped are free blocks again."""
-        for target, handle, origin in placed:
-            del seg.pages[target]
-            self._call(self._dev.vm_unmap, seg.address + target, self.page)
-            loose.append((handle, origin))
+        """Undo a failed _map_range (nothing of it is mapped at the target: vm_map_many is all
+        or nothing): moved pages go back where they were (released if that is refused too);
+        new ones are released; carved pages never unmapped are free blocks again."""
         back = list(untouched)
+        unplaced = []
         for handle, origin in loose:
             if origin is not None:
                 src, off = origin
@@ -245,7 +251,8 @@ class ExpandableSegments:
                     src.pages[off] = handle
                     back.append(origin)
                     continue
-            self._call(self._dev.vm_release, handle)
+            unplaced.append(handle)
+        self._release_pages(unplaced)
         self._refill(back, stream)
 
     def _refill(self, pages: list[tuple[_Segment, int]], stream: int) -> None:
@@ -266,20 +273,18 @@ class ExpandableSegments:
         except DriverOutOfMemory:
             return None
         seg = _Segment(address, size, stream)
+        created: list[int] = []
         try:
-            for offset in range(0, extra, self.page):
-                handle = self._call(self._dev.vm_create, self.page)
-                try:
-                    self._call(self._dev.vm_map, address + offset, self.page, handle)
-                except BaseException:
-                    self._call(self._dev.vm_release, handle)
-                    raise
-                seg.pages[offset] = handle
+            for _ in range(0, extra, self.page):
+                created.append(self._call(self._dev.vm_create, self.page))
+            self._map_many(address, created)
         except BaseException as exc:
+            self._release_pages(created)           # none of them is mapped
             self._unreserve(seg)
             if isinstance(exc, DriverOutOfMemory):
                 return None
             raise
+        seg.pages.update(zip(range(0, extra, self.page), created))
         try:
             buf = mm.alloc_in_new_segment(address, address, extra, nbytes, stream, tag)
         except MemoryError:                # the pool did not adopt the segment
@@ -299,10 +304,43 @@ class ExpandableSegments:
         self.driver_calls += 1
         return fn(*args)
 
-    def _unmap_release(self, seg: _Segment, offsets: Any) -> None:
-        for offset in offsets:
-            self._call(self._dev.vm_unmap, seg.address + offset, self.page)
-            self._call(self._dev.vm_release, seg.pages.pop(offset))
+    def _map_many(self, address: int, handles: list[int]) -> None:
+        """Map ``handles`` (one page each) side by side from ``address``: a cuMemMap each and
+        one cuMemSetAccess for the range (all or nothing)."""
+        self.driver_calls += len(handles) + 1
+        self._dev.vm_map_many(address, [(h, self.page) for h in handles])
+
+    def _drain(self, streams: Any) -> None:
+        """Make sure no queued work can still touch free memory cached for ``streams`` before
+        it is unmapped. The rule (stream order): a free block in a stream's heap was freed on
+        that stream, or handed to it once its first owner was idle (reclaim_idle) or its
+        cross-stream uses had finished (deferred frees), so the only work that may still use
+        its bytes is work queued on that stream before the free. cuMemUnmap is not
+        stream-ordered: unmapping is safe once each such stream is idle. So ask the device (a
+        query per stream) and synchronize only when one is busy, dead or unknown to it."""
+        for s in streams:
+            if self._mm.streams.is_dead(s):
+                break
+            try:
+                if not self._dev.stream_idle(s):
+                    break
+            except (DriverError, InvalidInputError):   # destroyed behind the manager's back
+                break
+        else:
+            return
+        self._dev.synchronize()
+        self.stitch_syncs += 1
+
+    def _unmap_release(self, seg: _Segment, offsets: Any) -> int:
+        """Unmap and free the pages at ``offsets``; the bytes freed (see _release_pages)."""
+        unmapped: list[int] = []
+        try:
+            for offset in offsets:
+                self._call(self._dev.vm_unmap, seg.address + offset, self.page)
+                unmapped.append(seg.pages.pop(offset))
+        finally:
+            freed = self._release_pages(unmapped)
+        return freed
 
     # --- giving memory back ----------------------------------------------------------------------
     def trimmable(self) -> int:
@@ -319,9 +357,10 @@ class ExpandableSegments:
     def trim(self, max_bytes: int | None = None, *, floor: dict[int, int] | None = None) -> int:
         """Unmap and release free whole pages (inside segments too) until ``max_bytes`` are
         returned (all when None); with ``floor`` (handle -> offset) no page below it. The
-        bytes returned."""
-        released = 0
-        synced = False
+        bytes returned. A driver that refuses to unmap or free a page warns (as a refused
+        segment free does): the pages it kept stay cached or held for a later retry."""
+        released = self.release_held()
+        drained = False
         pool = self._mm.pool
         for seg in list(self._segments.values()):
             if max_bytes is not None and released >= max_bytes:
@@ -334,35 +373,75 @@ class ExpandableSegments:
                 if not seg.pages and pool.detach_if_unused(seg.address):
                     self.release(seg.address)     # all holes (its pages moved): address only
                 continue
-            if not synced:
+            if not drained:
                 try:
-                    self._dev.synchronize()       # no pending work may touch what is unmapped
+                    # the carved blocks may sit in any stream's heap
+                    self._drain(pool.streams_with_free(_NO_STREAM) + [seg.stream])
                 except BaseException:
                     self._refill([(seg, o) for o in offsets], seg.stream)
                     raise
-                synced = True
+                drained = True
+            unmapped = []
             for i, offset in enumerate(offsets):
                 try:
                     self._call(self._dev.vm_unmap, seg.address + offset, self.page)
-                except BaseException:
-                    # the device is idle: any stream may have the pages back
+                except BaseException as exc:
+                    # no queued work uses them: any stream may have the pages back
                     self._refill([(seg, o) for o in offsets[i:]], seg.stream)
-                    raise
-                handle = seg.pages.pop(offset)
-                released += self.page
-                try:
-                    self._call(self._dev.vm_release, handle)
-                except DriverError as exc:
-                    warnings.warn(f"gpumem: {self._dev.device_string} refused to release a "
-                                  f"page ({exc}); the driver keeps it", RuntimeWarning)
+                    released += self._release_pages(unmapped)
+                    if not isinstance(exc, DriverError):
+                        raise
+                    warnings.warn(f"gpumem: {self._dev.device_string} refused to unmap a page "
+                                  f"({exc}); it stays cached", RuntimeWarning)
+                    return released
+                unmapped.append(seg.pages.pop(offset))
+            released += self._release_pages(unmapped)
             if not seg.pages and pool.detach_if_unused(seg.address):
                 self.release(seg.address)
         return released
 
+    def _release_pages(self, handles: list[int]) -> int:
+        """vm_release each unmapped page; the bytes released. A page the driver refuses to
+        free is held (unmapped, still allocated) and freed again by the next trim or close()."""
+        refused = []
+        error: DriverError | None = None
+        for handle in handles:
+            try:
+                self._call(self._dev.vm_release, handle)
+            except DriverError as exc:
+                refused.append(handle)
+                error = exc
+        if refused:
+            self._held.extend(refused)
+            warnings.warn(f"gpumem: {self._dev.device_string} refused to free "
+                          f"{len(refused)} page handle(s) ({error}); they stay allocated and "
+                          f"are freed again by the next trim or close()", RuntimeWarning)
+        return (len(handles) - len(refused)) * self.page
+
+    def release_held(self) -> int:
+        """Free the pages the driver refused to free before; the bytes freed now (the ones it
+        refuses again stay held, without a new warning)."""
+        held, self._held = self._held, []
+        freed = 0
+        for i, handle in enumerate(held):
+            try:
+                self._call(self._dev.vm_release, handle)
+            except DriverError:
+                self._held.append(handle)
+            else:
+                freed += self.page
+        return freed
+
+    @property
+    def held_pages(self) -> int:
+        """Pages unmapped but not yet freed: the driver refused to free them (retried later)."""
+        return len(self._held)
+
     def release(self, handle: int) -> int:
         """A segment without live blocks that the pool detached: unmap and release its pages,
-        free its reservation. Returns the bytes that were mapped. A driver refusal warns: the
-        pages it kept are lost to this manager (the driver still holds them)."""
+        free its reservation. Returns the bytes freed. A driver refusal warns: a page it
+        refuses to free is held for a retry; one it refuses to unmap, and the reservation
+        then, are lost to this manager (the driver still holds them)."""
         seg = self._segments.pop(handle)
         self.segment_events += 1
         handles = self._by_stream.get(seg.stream, [])
@@ -370,14 +449,14 @@ class ExpandableSegments:
             handles.remove(handle)
             if not handles:
                 del self._by_stream[seg.stream]
-        mapped = len(seg.pages) * self.page
+        freed = 0
         try:
-            self._unmap_release(seg, sorted(seg.pages))
+            freed = self._unmap_release(seg, sorted(seg.pages))
             self._call(self._dev.vm_free, seg.address, seg.reserved)
         except DriverError as exc:
             warnings.warn(f"gpumem: {self._dev.device_string} refused to unmap or free an "
                           f"expandable segment ({exc})", RuntimeWarning)
-        return mapped
+        return freed
 
 
 def _round_up(n: int, to: int) -> int:

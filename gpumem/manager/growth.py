@@ -54,6 +54,7 @@ class Growth(Protocol):
     device: Device
     config: MemoryConfig
     usable_memory: int             # the most bytes the pool may hold from the device
+    streams: StreamBook            # the streams the pool serves (which are dead)
     expandable: ExpandableSegments | None
 
     def alloc_cached(self, nbytes: int, stream: int, tag: Any) -> Buffer | None: ...
@@ -247,7 +248,8 @@ class SegmentGrowth:
         given), and free pages of expandable segments; the bytes released."""
         with self.lock:
             if (self.pool.reserved_bytes == self.pool.in_use_bytes
-                    and (self.expandable is None or not self.expandable.holds_empty())):
+                    and (self.expandable is None or not (self.expandable.holds_empty()
+                                                         or self.expandable.held_pages))):
                 return 0
             kwargs = {} if max_bytes is None else {"max_bytes": max_bytes}
             if small is not None:
@@ -300,4 +302,10 @@ class SegmentGrowth:
                 self.device.free_segment(handle)
             except Exception as exc:  # keep returning the others
                 warnings.warn(f"gpumem: could not free segment {handle:#x} on close: {exc}",
+                              RuntimeWarning)
+        if self.expandable is not None:
+            self.expandable.release_held()       # pages the driver refused to free before
+            if self.expandable.held_pages:
+                warnings.warn(f"gpumem: {self.device.device_string} still refuses to free "
+                              f"{self.expandable.held_pages} page handle(s) on close",
                               RuntimeWarning)

@@ -76,6 +76,10 @@ class StreamBook:
         """Whether the pool serves ``stream`` now (registered and not destroyed)."""
         return self._pool.has_stream(stream) and not self._core.is_dead_stream(stream)
 
+    def is_dead(self, stream: int) -> bool:
+        """Whether ``stream`` was destroyed (its queued work is then unknown)."""
+        return self._core.is_dead_stream(stream)
+
     def _forget(self, stream: int) -> None:
         self._streams.discard(stream)
         self._unsynced_dead.add(stream)

@@ -101,14 +101,15 @@ def gpumem_grid(presets: Iterable[str] = PRESETS,
         if preset not in _PRESET_CALL:
             raise InvalidInputError(f"unknown gpumem preset {preset!r}; the presets are "
                                     f"{', '.join(PRESETS)}")
-        own = Candidate("gpumem", preset).memory_config().max_split_size
+        base = Candidate("gpumem", preset).memory_config()
+        own, default_exp = base.max_split_size, base.expandable_segments
         splits: list[Any] = [None] + [m for m in max_split_sizes if m != own]
         for exp in (False, True):
             for mss in splits:
                 for rbg in (True, False):
                     ch: list[tuple[str, Any]] = []
-                    if exp:
-                        ch.append(("expandable_segments", True))
+                    if exp != default_exp:      # name only the change from the default
+                        ch.append(("expandable_segments", exp))
                     if mss is not None:
                         ch.append(("max_split_size", mss))
                     if not rbg:

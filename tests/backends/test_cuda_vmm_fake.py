@@ -156,3 +156,32 @@ def test_manager_with_expandable_segments_on_the_fake_driver(fake):  # noqa: F81
     finally:
         mm.close()
     assert _vmm(fake) == before
+
+
+def test_map_many_sets_access_once_over_several_mappings(dev, fake):  # noqa: F811
+    """vm_map_many maps handles side by side with one cuMemSetAccess over the range (the fake
+    accepts a range that holds whole mappings, as the driver documents): a copy across the
+    boundary works. When a cuMemMap midway is refused (the 2nd handle's range is already
+    mapped), the mapping the call made before it is undone and the error propagates."""
+    base = _vmm(fake)
+    va = dev.vm_reserve(8 * G)
+    h1, h2, h3 = dev.vm_create(G), dev.vm_create(2 * G), dev.vm_create(G)
+    dev.vm_map_many(va, [(h1, G), (h2, 2 * G)])
+    assert _vmm(fake) == (base[0] + 3, base[1] + 2, base[2] + 1)
+    data = bytes(range(64))
+    dev.copy_from_host(va, G - 32, memoryview(data))
+    out = bytearray(64)
+    dev.copy_to_host(va, G - 32, memoryview(out))
+    assert bytes(out) == data
+    h4 = dev.vm_create(G)
+    dev.vm_map(va + 4 * G, G, h4)
+    with pytest.raises(DriverError):
+        dev.vm_map_many(va + 3 * G, [(h3, G), (h3, G)])     # the 2nd lands on h4: refused
+    assert _vmm(fake) == (base[0] + 4, base[1] + 3, base[2] + 1)
+    dev.vm_map_many(va + 3 * G, [(h3, G)])                 # h3 was unmapped again
+    for off, n in ((0, G), (G, 2 * G), (3 * G, G), (4 * G, G)):
+        dev.vm_unmap(va + off, n)
+    for h in (h1, h2, h3, h4):
+        dev.vm_release(h)
+    dev.vm_free(va, 8 * G)
+    assert _vmm(fake) == base

@@ -99,6 +99,23 @@ def test_replay_demo_and_outputs(capsys, tmp_path):
     assert d["num_ooms"] == 0 and d["reserved_live_ratio"] >= 1.0
 
 
+def test_replay_expandable_segments_default_and_off(capsys, tmp_path):
+    """Level real (sim): `gpumem replay` uses the default config, expandable segments on where
+    the device has virtual memory (sim: the pages are mapped, no driver segment for a large
+    request); --no-expandable-segments replays with plain segments, and --expandable-segments
+    gives the default's figures. The three differ only in the segments' kind."""
+    d = {}
+    for flag in ("", "--expandable-segments", "--no-expandable-segments"):
+        out = tmp_path / f"r{len(d)}.json"
+        code, _, err = run(capsys, "replay", "demo", "--device", "sim:80GiB", "--json", str(out),
+                           *([flag] if flag else []))
+        assert code == 0, err
+        d[flag] = json.loads(out.read_text())
+    assert d[""] == {**d["--expandable-segments"], "duration_s": d[""]["duration_s"],
+                     "events_per_second": d[""]["events_per_second"]}
+    assert d[""]["segments_created"] < d["--no-expandable-segments"]["segments_created"]
+
+
 def test_replay_too_small_device_exits_2(capsys):
     code, out, err = run(capsys, "replay", str(DEMO_TRACE), "--device", "sim:256MiB")
     assert code == 2

@@ -254,8 +254,10 @@ def test_pressure_frees_the_cache_and_pauses_the_worker(client, plugin):
     """At HIGH pressure the plug-in returns the worker's cached memory to the driver; still at
     HIGH it pauses the worker (Dask's pause: the scheduler sees it, a new task waits) and
     resumes it once the memory is freed, when the waiting task runs."""
+    # plain segments: the 100 MiB stay cached beside the 850 MiB (expandable segments would
+    # move their pages into the new allocation, leaving nothing cached to release)
     addresses = plugin(pause_at="HIGH", check_interval=0.05, auto_release_at_high=False,
-                       auto_cleanup_at_critical=False, **WHOLE)
+                       auto_cleanup_at_critical=False, expandable_segments=False, **WHOLE)
     a0 = addresses[0]
 
     def fill(dask_worker):

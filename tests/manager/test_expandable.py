@@ -54,7 +54,8 @@ def test_free_tail_is_extended_not_duplicated():
     calls = mm._expandable.driver_calls
     c = mm.malloc(30 * MiB)                      # needs 10 MiB more, not 30
     assert mm.pool.reserved_bytes == 70 * MiB and dev.mapped_bytes == 70 * MiB
-    assert mm._expandable.driver_calls - calls == 2 * 5   # 5 pages, each: create + map
+    # 5 pages, each: create + map, and one access grant for the range
+    assert mm._expandable.driver_calls - calls == 2 * 5 + 1
     assert c.ptr == a.ptr + 40 * MiB
     check(mm, [a, c])
     mm.close()
@@ -160,12 +161,33 @@ def test_small_requests_keep_plain_segments():
     mm.close()
 
 
-def test_option_is_off_by_default_read_from_env_and_ignored_without_vm(monkeypatch):
-    assert MemoryConfig().expandable_segments is False
-    monkeypatch.setenv("GPUMEM_EXPANDABLE_SEGMENTS", "1")
-    assert MemoryConfig.from_env().expandable_segments is True
+def test_option_is_on_by_default_where_the_device_has_virtual_memory(monkeypatch):
+    """Level real (sim, host): a manager with the default config on a device whose backend
+    has virtual memory (sim) uses expandable segments; False in the config or
+    GPUMEM_EXPANDABLE_SEGMENTS=0 (read by the config a manager makes for itself) turns them
+    off; on host memory (no virtual memory: the device says so, no backend name is tested)
+    the option is ignored and plain segments serve the request."""
+    import gpumem_sim
     from gpumem import MemoryManager
+    assert MemoryConfig().expandable_segments is True
+    monkeypatch.delenv("GPUMEM_EXPANDABLE_SEGMENTS", raising=False)
+    dev = gpumem_sim.SimDevice("1GiB")
+    mm = MemoryManager(dev)                         # MemoryConfig.from_env(): the default
+    assert dev.supports_virtual_memory and mm._expandable is not None
+    buf = mm.malloc(30 * MiB)
+    assert dev.live_segments == 0 and dev.mapped_bytes == 30 * MiB
+    buf.free()
+    mm.close()
+    monkeypatch.setenv("GPUMEM_EXPANDABLE_SEGMENTS", "0")
+    assert MemoryConfig.from_env().expandable_segments is False
+    for mm in (MemoryManager(dev), MemoryManager(dev, MemoryConfig(expandable_segments=False))):
+        assert mm._expandable is None
+        buf = mm.malloc(30 * MiB)
+        assert dev.live_segments == 1 and dev.mapped_bytes == 0
+        buf.free()
+        mm.close()
     mm = MemoryManager("cpu", MemoryConfig(expandable_segments=True))
+    assert not mm.device.supports_virtual_memory
     assert mm._expandable is None                  # host memory has no VMM: plain segments
     buf = mm.malloc(30 * MiB)
     check(mm, [buf])
@@ -231,7 +253,7 @@ def test_a_hit_that_takes_the_free_tail_mid_growth_does_not_fail_the_request(mon
     b = mm.malloc(8 * MiB)
     b.free()                                     # an 8 MiB free tail at offset 10 MiB
     hits = []
-    real_map = dev.vm_map
+    real_map = dev.vm_map_many
 
     def map_while_a_hit_takes_the_tail(*args):
         if not hits:                             # the first mapping of the growth below
@@ -241,7 +263,7 @@ def test_a_hit_that_takes_the_free_tail_mid_growth_does_not_fail_the_request(mon
             assert hits and hits[0].ptr == a.ptr + 10 * MiB, "the hit did not take the tail"
         return real_map(*args)
 
-    monkeypatch.setattr(dev, "vm_map", map_while_a_hit_takes_the_tail)
+    monkeypatch.setattr(dev, "vm_map_many", map_while_a_hit_takes_the_tail)
     c = mm.malloc(12 * MiB)                      # tail 8 MiB: maps 4 MiB, then finds 2 MiB
     monkeypatch.undo()
     assert mm.stats().num_ooms == 0

@@ -134,7 +134,7 @@ def test_save_validates(tmp_path):
 def test_format_snapshot_text():
     mm = _mm()
     live = _workload(mm)
-    text = format_snapshot(mm.snapshot(), max_segments=2, max_blocks=2)
+    text = format_snapshot(mm.snapshot(), max_segments=1, max_blocks=2)
     assert text.startswith(f"snapshot of {mm.device_string}")
     assert "by tag: weights 40.00 MiB" in text
     assert "more segment(s)" in text

@@ -56,31 +56,39 @@ def test_cost_is_fixed_plus_per_byte():
 @pytest.mark.parametrize("expandable", [False, True])
 def test_replay_time_is_the_log_priced_by_the_model(trace, expandable):
     """A replay's modeled driver time equals the model's price of the sim's call log up to the
-    end of the replay (before the manager closes), plus its mem_get_info queries; and the
+    end of the replay (before the manager closes), plus its mem_get_info and stream queries
+    (counted, not logged); and the
     device's total after close is the price of the whole log. Both modes, so expandable
-    segments' vm_* calls are priced too (a vm_map also pays set-access)."""
+    segments' vm_* calls are priced too (a vm_map also pays set-access; a vm_map_many
+    pays one set-access for its range)."""
     dev = SimDevice("80GiB")
     marks = []
 
     def progress(done, total):
         if done == total:
-            marks.append((len(dev.calls), dev.mem_get_info_calls))
+            marks.append((len(dev.calls), dev.mem_get_info_calls, dev.stream_query_calls))
 
     cfg = replay_config("default").replace(expandable_segments=expandable)
     res = replay(trace, dev, cfg, progress=progress)
-    n_log, n_info = marks[-1]
+    n_log, n_info, n_query = marks[-1]
     model = dev.driver_costs
     log = dev.calls
     assert len(log) < gpumem_sim.CALL_LOG_LIMIT          # nothing dropped from the log
-    expect = model.log_cost(log[:n_log]) + n_info * model.cost("mem_get_info")
+    expect = (model.log_cost(log[:n_log]) + n_info * model.cost("mem_get_info")
+              + n_query * model.cost("stream_query"))
     assert res.modeled_driver_seconds > 0
     assert res.modeled_driver_seconds == pytest.approx(expect, rel=1e-12)
     assert dev.modeled_driver_seconds == pytest.approx(
-        model.log_cost(log) + dev.mem_get_info_calls * model.cost("mem_get_info"), rel=1e-12)
+        model.log_cost(log) + dev.mem_get_info_calls * model.cost("mem_get_info")
+        + dev.stream_query_calls * model.cost("stream_query"), rel=1e-12)
     counts = {c: n for c, (n, _) in res.modeled_driver_breakdown.items()}
     ops = [c.op for c in log[:n_log]]
     if expandable:
-        assert counts["vm_map"] == counts["vm_set_access"] == ops.count("vm_map") > 0
+        # a miss maps its pages with one vm_map_many: a cuMemMap each, one access call
+        maps = ops.count("vm_map") + ops.count("vm_map_many")
+        assert counts["vm_map"] == maps > 0
+        assert counts["vm_set_access"] == ops.count("vm_map") + ops.count("vm_set_access") > 0
+        assert counts["vm_set_access"] < maps
     else:
         assert counts["segment_alloc"] == ops.count("alloc") > 0
     assert sum(s for _, s in res.modeled_driver_breakdown.values()) == pytest.approx(

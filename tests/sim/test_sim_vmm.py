@@ -202,3 +202,51 @@ def test_vm_granularity_is_configurable_and_checked():
     assert SimDevice(MiB, vm_granularity=65536).vm_granularity() == 65536
     with pytest.raises(InvalidInputError, match="vm_granularity must be a power of two"):
         SimDevice(MiB, vm_granularity=3000)
+
+
+def test_map_many_maps_side_by_side_with_one_access_call_or_nothing():
+    """vm_map_many maps handles next to each other and grants access once: the log has one
+    vm_map_many entry per handle and one vm_set_access, and the cost model charges one
+    cuMemMap per handle plus one cuMemSetAccess (not one per handle). A refused handle (an
+    injected map fault at the 3rd) leaves none of the call's handles mapped, the counters as
+    before, and the handles free to map again. Bad pairs are named, nothing mapped."""
+    dev = SimDevice(64 * MiB, back_memory=True)
+    va = dev.vm_reserve(16 * G)
+    hs = [dev.vm_create(G), dev.vm_create(2 * G), dev.vm_create(G)]
+    before = dev.modeled_driver_breakdown
+    dev.vm_map_many(va, [(hs[0], G), (hs[1], 2 * G), (hs[2], G)])
+    assert dev.mapped_bytes == 4 * G and dev.live_mappings == 3
+    assert [c.op for c in dev.calls[-4:]] == ["vm_map_many"] * 3 + ["vm_set_access"]
+    after = dev.modeled_driver_breakdown
+    assert after["vm_map"][0] - before.get("vm_map", (0, 0.0))[0] == 3
+    assert after["vm_set_access"][0] - before.get("vm_set_access", (0, 0.0))[0] == 1
+    dev.copy_from_host(va, G - 4, memoryview(b"abcdefgh"))        # across two handles
+    out = bytearray(8)
+    dev.copy_to_host(va, G - 4, memoryview(out))
+    assert bytes(out) == b"abcdefgh"
+    for off, n in ((0, G), (G, 2 * G), (3 * G, G)):
+        dev.vm_unmap(va + off, n)
+
+    dev.inject_vm(map_after=2)
+    with pytest.raises(DriverOutOfMemory, match="injected failure mapping") as err:
+        dev.vm_map_many(va + 4 * G, [(hs[0], G), (hs[1], 2 * G), (hs[2], G)])
+    assert err.value.injected
+    assert dev.mapped_bytes == 0 and dev.live_mappings == 0 and dev.live_page_handles == 3
+    dev.clear_faults()
+    with pytest.raises(InvalidInputError, match="multiple of the granularity"):
+        dev.vm_map_many(va, [(hs[0], G), (hs[1], G + 512)])
+    with pytest.raises(InvalidInputError, match="mapped whole"):
+        dev.vm_map_many(va, [(hs[0], G), (hs[1], G)])             # hs[1] is 2 pages
+    with pytest.raises(InvalidInputError, match="pairs"):
+        dev.vm_map_many(va, [hs[0]])
+    with pytest.raises(InvalidInputError, match="at least one"):
+        dev.vm_map_many(va, [])
+    assert dev.live_mappings == 0
+    dev.vm_map_many(va + 8 * G, [(hs[2], G), (hs[0], G)])         # and they map again
+    assert dev.live_mappings == 2
+    dev.vm_unmap(va + 8 * G, G)
+    dev.vm_unmap(va + 9 * G, G)
+    for h in hs:
+        dev.vm_release(h)
+    dev.vm_free(va, 16 * G)
+    assert (dev.live_page_handles, dev.live_mappings, dev.live_reservations) == (0, 0, 0)
