@@ -24,23 +24,43 @@ It also holds the plain helpers test modules share (fixtures live in conftest.py
   skipping an unavailable backend with its reason.
 - ``sim_manager(capacity, ...)``: a MemoryManager on a fresh SimDevice, with a base config
   (``EXACT``: usable memory is the capacity; ``QUIET``: the same, no automatic responses).
+- ``DATA``: gpumem's data folder (presets, shipped traces) where gpumem was imported from;
+  ``require_checkout(what)``: the source checkout, or a skip when this copy of tests/ runs
+  outside one (ci/package.sh runs it against an installed wheel).
 """
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any, Iterable
 
 import pytest
 
+import gpumem
 import gpumem_sim
 from gpumem import FallbackBuffer, MemoryConfig, MemoryManager
 from gpumem.backends import get_backend
 
-__all__ = ["check", "live_ranges", "stats_without", "snapshot_state", "TEST_EXPANDABLE",
+__all__ = ["DATA", "CHECKOUT", "require_checkout", "check", "live_ranges", "stats_without", "snapshot_state", "TEST_EXPANDABLE",
            "ALL_BACKENDS", "selected_backends", "require_backend", "device_string",
            "backend_device", "EXACT", "QUIET", "sim_manager"]
 
 ALL_BACKENDS = ("sim", "cpu", "opencl", "cuda")
+
+#: gpumem's data (model presets, the shipped traces) from the gpumem under test: the checkout's,
+#: or an installed wheel's
+DATA = Path(gpumem.__file__).resolve().parent / "data"
+#: the folder that holds tests/: the source checkout, or a copy of tests/ outside any
+CHECKOUT = Path(__file__).resolve().parents[1]
+
+
+def require_checkout(what: str) -> Path:
+    """The source checkout; skip the test (it reads ``what``: docs, README, LICENSE,
+    pyproject.toml, which no wheel installs) where this copy of tests/ runs outside one."""
+    if not (CHECKOUT / "pyproject.toml").is_file() or not (CHECKOUT / "gpumem").is_dir():
+        pytest.skip(f"reads {what} of the source checkout; these tests run outside one "
+                    f"(against an installed gpumem)")
+    return CHECKOUT
 
 
 def selected_backends(default: Iterable[str] = ALL_BACKENDS, *,
