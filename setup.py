@@ -68,7 +68,7 @@ EXTENSIONS = [
     Extension(f"gpumem._core.{name}", [f"gpumem/_core/{name}.pyx"], language="c++",
               extra_compile_args=extra)
     for name in ("pool", "pool_segments", "pool_inspect", "pool_history", "pool_pages",
-                 "manager_base", "buffer", "dlpack", "view", "native_cache")
+                 "manager_base", "buffer", "manager_core", "dlpack", "view", "native_cache")
 ]
 # The C allocator torch loads with CUDAPluggableAllocator (gpumem.integrations.torch): an
 # ordinary extension whose two `cdef public` functions are exported with C linkage (Cython

@@ -6,7 +6,8 @@
 
 sim     C-level pool hit pair (the .pxd API, compiled _cbench), the O(1) check (1,000,000 vs 10
         cached free blocks, one run), Python-level hit pair and mixed workload on a 1 TiB
-        simulated device, trace replay (time, peak reserved / peak live).
+        simulated device, trace replay (time, peak reserved / peak live) of the shipped and
+        synthetic traces.
 opencl  gpumem MemoryManager("opencl:0") vs pyopencl.tools.MemoryPool(ImmediateAllocator(queue))
         on the same device and context: hit pair, the kernel-ready pair (malloc + buf.native +
         free vs allocate + release), pyopencl arrays created and dropped through each pool
@@ -14,6 +15,9 @@ opencl  gpumem MemoryManager("opencl:0") vs pyopencl.tools.MemoryPool(ImmediateA
 cuda    gpumem MemoryManager("cuda:0") vs raw cuMemAlloc/cuMemFree, cuMemAllocAsync/FreeAsync
         on a stream, cuda.core DeviceMemoryResource, CuPy MemoryPool, torch's caching allocator;
         each peer is skipped with the reason when its package (or the GPU) is absent.
+
+Every peak held / peak live table also shows the model of PyTorch's caching allocator
+(gpumem.TorchAllocatorModel, default and expandable_segments:True): untimed, a model.
 
 Method: timeit-style. Each figure is the median over R repeats of (time of k calls) / k ops,
 k chosen so one repeat lasts >= 0.2 s (0.05 s with --quick); the garbage collector is off while
@@ -41,7 +45,8 @@ from benchmarks import (KiB, MiB, MixedWorkload, device_budget,  # noqa: E402
                         fitting_live_count, log_uniform_mean, read_trace, replay,
                         sim_device_string, trace_names)
 from compare_peers import (CudaAsyncPeer, CudaCorePeer, CudaRawPeer, CupyPeer,  # noqa: E402
-                           GpumemPeer, Peer, PyOpenCLPeer, TorchPeer, _make_all, open_peers)
+                           GpumemPeer, Peer, PyOpenCLPeer, TorchPeer, _make_all, open_peers,
+                           torch_model_peers)
 from compare_timing import (NOTES, RESULTS, Skip, Timer, fmt_size, fmt_value, print_table,  # noqa: E402
                             record, skipped)
 
@@ -258,12 +263,27 @@ def _measure_peak(peer: Peer, trace) -> tuple:
         inst.close()
 
 
+def synthetic_traces(kinds: str, seed: int = 0) -> list:
+    """gpumem.observe.synth_traces workloads (shapes the pool was not tuned on) as
+    benchmark Traces named 'synth KIND seed N'."""
+    from benchmarks import Trace
+    from gpumem.observe.synth_traces import synthesize
+    out = []
+    for kind in filter(None, kinds.split(",")):
+        d = synthesize(kind, seed=seed)
+        out.append(Trace(f"synth {kind} seed {seed}", (d.ops == 0).tolist(), d.ids.tolist(),
+                         d.sizes.tolist()))
+    return out
+
+
 def bench_traces(timer: Timer, peers: list[Peer], budget: int | None, names=None) -> None:
-    """Replay each trace (sizes scaled down when peak live * 1.3 exceeds `budget`): cold (a
-    fresh allocator) and warm (the same allocator again) ns per event, peers interleaved
-    replay by replay; peak held / peak live from a separate, untimed replay."""
+    """Replay each trace (a shipped trace's name or a Trace; sizes scaled down when peak
+    live * 1.3 exceeds `budget`): cold (a fresh allocator) and warm (the same allocator again)
+    ns per event, peers interleaved replay by replay; peak held / peak live from a separate,
+    untimed replay (models, whose ``timed`` is False, only there)."""
     for name in names or trace_names():
-        trace = read_trace(name)
+        trace = name if not isinstance(name, str) else read_trace(name)
+        name = trace.name
         scale = 1.0
         if budget is not None and trace.peak_live * 1.3 > budget:
             scale = int(budget / 1.3 / trace.peak_live * 100) / 100
@@ -277,6 +297,8 @@ def bench_traces(timer: Timer, peers: list[Peer], budget: int | None, names=None
                 live_peers.append(peer)
             except Exception as exc:
                 skipped(f"replay {label}", peer.name, f"{type(exc).__name__}: {exc}")
+        peaked = list(live_peers)
+        live_peers = [p for p in live_peers if p.timed]
         cold: dict = {p.name: [] for p in live_peers}
         warm: dict = {p.name: [] for p in live_peers}
         for _ in range(timer.replays):
@@ -306,7 +328,7 @@ def bench_traces(timer: Timer, peers: list[Peer], budget: int | None, names=None
             note = f"{ev} events" + (f", {fallbacks} CPU fallbacks" if fallbacks else "")
             record(f"replay {label} cold", peer.name, cold[peer.name], note=note)
             record(f"replay {label} warm", peer.name, warm[peer.name])
-        for peer in live_peers:
+        for peer in peaked:
             peak, _ = peaks[peer.name]
             if peak is not None:
                 record(f"peak held/peak live {label}", peer.name, [peak / trace.peak_live],
@@ -397,7 +419,9 @@ def run_sim(timer: Timer, args) -> dict:
                     floor_manager=None if cb is None else cb.FloorManager())
     bench_mixed(timer, peers, live=args.live or 10_000)
     if not args.no_traces:
-        bench_traces(timer, peers[:1], budget=None)
+        from benchmarks import SIM_CAPACITY
+        bench_traces(timer, peers[:1] + torch_model_peers(SIM_CAPACITY), budget=None,
+                     names=trace_names() + synthetic_traces(args.synthetic))
     NOTES.append("'gpumem' rows record the pool's always-on C history (100,000 events); "
                  "'gpumem, history off' is the same pool with pool.set_history(0)")
     return summary
@@ -498,7 +522,8 @@ def run_opencl(timer: Timer, args) -> dict:
                      f"{budget / 2**30:.2f} GiB)")
     bench_mixed(timer, peers, live=live, warmup=5_000)
     if not args.no_traces:
-        bench_traces(timer, peers, budget=budget)
+        bench_traces(timer, peers + torch_model_peers(budget), budget=budget,
+                     names=trace_names() + synthetic_traces(args.synthetic))
     for p in peers:
         p.shutdown()
     return {}
@@ -517,7 +542,8 @@ def run_cuda(timer: Timer, args) -> dict:
     bench_hit_pairs(timer, peers)
     bench_mixed(timer, peers, live=args.live or fitting_live_count(budget))
     if not args.no_traces:
-        bench_traces(timer, peers, budget=budget)
+        bench_traces(timer, peers + torch_model_peers(budget), budget=budget,
+                     names=trace_names() + synthetic_traces(args.synthetic))
     for p in peers:
         p.shutdown()
     return {}
@@ -625,6 +651,9 @@ def main(argv=None) -> int:
     ap.add_argument("--backend", choices=("sim", "opencl", "cuda"), default="sim")
     ap.add_argument("--quick", action="store_true", help="fewer, shorter repeats")
     ap.add_argument("--no-traces", action="store_true", help="skip the trace replays")
+    ap.add_argument("--synthetic", default="serving,varlen,training",
+                    help="synthetic trace kinds replayed after the shipped traces, seed 0 "
+                         "(gpumem.observe.synth_traces; '' for none)")
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                     help="time Python-level figures by the wall clock (default) or by this "
                          "thread's CPU time (steadier on a loaded machine)")

@@ -1,6 +1,8 @@
 """compare.py's peers: the allocators measured side by side (gpumem, pyopencl's MemoryPool,
-raw CUDA, cudaMallocAsync, cuda.core, CuPy, torch), each made into an ``Inst`` of
-alloc/free/close/peak; a peer whose package or device is absent raises Skip with the reason."""
+raw CUDA, cudaMallocAsync, cuda.core, CuPy, torch, and the model of torch's caching allocator),
+each made into an ``Inst`` of alloc/free/close/peak; a peer whose package or device is absent
+raises Skip with the reason. A peer with ``timed = False`` is a model: it appears in the
+fragmentation (peak held / peak live) tables only, never in timings."""
 from __future__ import annotations
 
 from compare_timing import Skip, skipped
@@ -18,6 +20,7 @@ class Inst:
 
 class Peer:
     name = "?"
+    timed = True                  # False: only its peak bytes are reported
 
     def open(self) -> None:
         """Raise Skip(reason) when unavailable."""
@@ -296,6 +299,28 @@ class TorchPeer(Peer):
         alloc, free = cuda.caching_allocator_alloc, cuda.caching_allocator_delete
         return Inst(alloc, free, cuda.empty_cache, peak=lambda: cuda.max_memory_reserved(0))
 
+
+
+class TorchModelPeer(Peer):
+    """gpumem.TorchAllocatorModel: PyTorch's caching allocator policy replayed without a GPU
+    (docs/torch_model.md), on a device of ``capacity`` bytes with PYTORCH_CUDA_ALLOC_CONF
+    ``conf``. Its peak is the bytes torch would reserve (cudaMalloc'd or mapped)."""
+    timed = False
+
+    def __init__(self, capacity: int, conf: str = ""):
+        self.capacity, self.conf = capacity, conf
+        short = {"": "", "expandable_segments:True": "expandable"}.get(conf, conf)
+        self.name = "torch model" + (f" ({short})" if short else "")
+
+    def make(self) -> Inst:
+        from gpumem import TorchAllocatorModel
+        m = TorchAllocatorModel(self.capacity, self.conf)
+        return Inst(m.malloc, m.free, lambda: None, peak=lambda: m.peak_reserved_bytes)
+
+
+def torch_model_peers(capacity: int) -> list[Peer]:
+    """The model with torch's default settings and with expandable segments."""
+    return [TorchModelPeer(capacity), TorchModelPeer(capacity, "expandable_segments:True")]
 
 
 def _make_all(bench: str, peers: list[Peer]) -> dict:

@@ -1,8 +1,13 @@
 """Expandable segments off vs on, side by side in one run: every trace shipped in gpumem/data/traces (or
-GPUMEM_TRACES) replayed with :func:`gpumem.observe.replay` on a fresh sim:80GiB, for the default,
-constrained and inference presets. Prints a Markdown table: peak physical bytes (the pool's peak
-reserved bytes, which with expandable segments are exactly the mapped pages) over peak live
-requested bytes, events/s (median of ``--repeat`` replays) and driver calls.
+GPUMEM_TRACES), then synthetic traces (``--synthetic serving,varlen,training``, ``--seeds 0,1``;
+gpumem.observe.synth_traces), replayed with :func:`gpumem.observe.replay` on a fresh sim:80GiB,
+for the default, constrained and inference presets. Prints a Markdown table: peak physical bytes
+(the pool's peak reserved bytes, which with expandable segments are exactly the mapped pages)
+over peak live requested bytes, driver calls, modeled driver time (gpumem_sim.driver_costs: what
+those calls would cost on a CUDA GPU) and events/s (median of ``--repeat`` replays, off and on
+interleaved; on/off is the median of the per-repeat ratios). Beside them, the same ratio for the
+model of PyTorch's caching allocator (gpumem.TorchAllocatorModel on 80 GiB) with its default
+settings and with expandable_segments:True.
 
     python asv_benchmarks/expandable_figures.py [--repeat 3] [--configs default,constrained]
     python asv_benchmarks/expandable_figures.py --hit-pair   # malloc+free cache hits, off vs on
@@ -53,34 +58,60 @@ def hit_pairs(reps: int = 200_000) -> None:
         mm.close()
 
 
+def workloads(synthetic: str, seeds: str) -> list[tuple[str, object]]:
+    """(label, trace) for every shipped trace, then every synthetic kind for every seed
+    (gpumem.observe.synth_traces: shapes the pool was not tuned on)."""
+    from gpumem.observe.synth_traces import synthesize
+    out: list[tuple[str, object]] = [(p.name.split(".")[0], read_trace(p)) for p in trace_paths()]
+    for kind in filter(None, synthetic.split(",")):
+        for seed in (int(x) for x in seeds.split(",") if x):
+            out.append((f"synth {kind} seed {seed}", synthesize(kind, seed=seed)))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--configs", default="default,constrained,inference")
+    ap.add_argument("--synthetic", default="serving,varlen,training",
+                    help="synthetic kinds to add ('' for none)")
+    ap.add_argument("--seeds", default="0,1", help="seeds of each synthetic kind")
     ap.add_argument("--hit-pair", action="store_true", help="time cache hits instead")
     args = ap.parse_args(argv)
     if args.hit_pair:
         hit_pairs()
         return 0
-    paths = trace_paths()
-    if not paths:
+    rows = workloads(args.synthetic, args.seeds)
+    if not rows:
         print("no traces found (set GPUMEM_TRACES)", file=sys.stderr)
         return 1
-    print("| trace | config | ratio off | ratio on | events/s off | events/s on | on/off "
-          "| driver calls off | on | OOMs off/on |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for path in paths:
-        data = read_trace(path)
+    print("| trace | config | ratio off | ratio on | torch model | torch expandable | driver "
+          "calls off | on | modeled driver ms off | on | on/off | events/s off | on | on/off | "
+          "OOMs off/on |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    from gpumem.planning.torch_replay import replay_torch_model
+    for label, data in rows:
+        torch_ratio = {conf: replay_torch_model(data, capacity=80 << 30, conf=conf)
+                       .reserved_live_ratio for conf in ("", "expandable_segments:True")}
         for preset in args.configs.split(","):
-            row = {}
-            for on in (False, True):
-                cfg = replay_config(preset).replace(expandable_segments=on)
-                runs = [replay(data, "sim:80GiB", cfg) for _ in range(args.repeat)]
-                row[on] = (runs[0], statistics.median(r.events_per_second for r in runs))
-            (off, eps_off), (on_, eps_on) = row[False], row[True]
-            print(f"| {data.name.split('.')[0]} | {preset} | {off.reserved_live_ratio:.3f} | "
-                  f"{on_.reserved_live_ratio:.3f} | {eps_off / 1e6:.2f} M | {eps_on / 1e6:.2f} M "
-                  f"| {eps_on / eps_off:.2f} | {off.driver_calls:,} | {on_.driver_calls:,} | "
+            first: dict[bool, object] = {}
+            eps: dict[bool, list[float]] = {False: [], True: []}
+            for _ in range(args.repeat):         # interleaved: off, on, off, on...
+                for on in (False, True):
+                    cfg = replay_config(preset).replace(expandable_segments=on)
+                    res = replay(data, "sim:80GiB", cfg)
+                    first.setdefault(on, res)
+                    eps[on].append(res.events_per_second)
+            off, on_ = first[False], first[True]
+            speed = statistics.median(b / a for a, b in zip(eps[False], eps[True]))
+            m_off, m_on = off.modeled_driver_seconds, on_.modeled_driver_seconds
+            print(f"| {label} | {preset} | {off.reserved_live_ratio:.3f} | "
+                  f"{on_.reserved_live_ratio:.3f} | {torch_ratio['']:.3f} | "
+                  f"{torch_ratio['expandable_segments:True']:.3f} | "
+                  f"{off.driver_calls:,} | {on_.driver_calls:,} "
+                  f"| {m_off * 1e3:,.1f} | {m_on * 1e3:,.1f} | {m_on / m_off:.2f} | "
+                  f"{statistics.median(eps[False]) / 1e6:.2f} M | "
+                  f"{statistics.median(eps[True]) / 1e6:.2f} M | {speed:.2f} | "
                   f"{off.num_ooms}/{on_.num_ooms} |", flush=True)
     return 0
 

@@ -68,6 +68,11 @@ _LAZY = {
     "export_memory_viz": ("gpumem.observe.torch_snapshot", "export_memory_viz"),
     "estimate_training_memory": ("gpumem.planning.estimate_training", "estimate_training_memory"),
     "TrainingEstimate": ("gpumem.planning.estimate_training", "TrainingEstimate"),
+    "TorchAllocatorModel": ("gpumem.planning.torch_model", "TorchAllocatorModel"),
+    "replay_torch_model": ("gpumem.planning.torch_replay", "replay_torch_model"),
+    "TorchReplayResult": ("gpumem.planning.torch_replay", "TorchReplayResult"),
+    "tune": ("gpumem.planning.tune", "tune"),
+    "TuneResult": ("gpumem.planning.tune", "TuneResult"),
     "dump_on_oom": ("gpumem.observe.history", "dump_on_oom"),
     "pool_trace": ("gpumem.observe.history", "pool_trace"),
 }

@@ -35,6 +35,7 @@ OTHER_VARIABLES = frozenset({
     "GPUMEM_DUMP_ON_OOM",       # history and snapshot dumps on OOM (gpumem.observe.history)
     "GPUMEM_TEST_DEVICES",      # the pytest plug-in (gpumem.testing)
     "GPUMEM_TEST_EXPANDABLE_SEGMENTS",  # tests: the suite with expandable segments on
+    "GPUMEM_TEST_SANITIZED",    # tests: ci/sanitize.sh's run (timing bounds widened)
     "GPUMEM_FRAMEWORK_EXTRAS",  # ci/gpu.sh
     "GPUMEM_TEST_INSTALLED",    # tests: gpumem must be an installed wheel (ci/package.sh)
     "GPUMEM_PACKAGE_PYTHONS",   # ci/package.sh: the interpreters to build wheels for
@@ -291,8 +292,9 @@ def _parse_env_value(name: str, raw: str, current: Any) -> Any:
             raise InvalidInputError("expected three comma-separated fractions") from None
         return parts
     if name in _COUNT_FIELDS:
-        if not raw.isdigit():
-            raise InvalidInputError("expected a non-negative integer")
+        # ASCII digits: str.isdigit() also takes '²', which int() refuses
+        if not (raw.isascii() and raw.isdigit()) or len(raw) > 20:
+            raise InvalidInputError("expected a non-negative integer (at most 20 digits)")
         return int(raw)
     if raw.lower() in ("none", ""):
         return None

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 from typing import Any
 
 __all__ = [
@@ -21,6 +22,7 @@ __all__ = [
     "GpumemWarning",
     "CpuFallbackWarning",
     "UnknownSettingWarning",
+    "brief",
 ]
 
 
@@ -164,3 +166,30 @@ class CpuFallbackWarning(GpumemWarning):
 
 class UnknownSettingWarning(GpumemWarning):
     """A ``GPUMEM_*`` environment variable that gpumem does not know (likely misspelled)."""
+
+
+def _is_scalar(value: Any) -> bool:
+    return value is None or isinstance(value, (bool, float)) or (
+        isinstance(value, int) and value.bit_length() <= 64) or (
+        isinstance(value, (str, bytes)) and len(value) <= 40)
+
+
+def brief(value: Any, limit: int = 60) -> str:
+    """A short description of a value read from a file, for an error message: its repr when
+    that is short, else its type and size. It never walks into a container (a file may nest or
+    share them without bound) nor prints a huge int (CPython refuses past 4,300 digits)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+        return f"an int of {value.bit_length()} bits"
+    if isinstance(value, (str, bytes)):
+        text = repr(value[:limit])
+        return text if len(value) <= limit else f"{text[:-1]}...{text[-1]} ({len(value)} long)"
+    if isinstance(value, (list, tuple, dict)):
+        items = list(itertools.islice(value.items(), 7)) if isinstance(value, dict) \
+            else list(value[:7])
+        flat = [x for kv in items for x in kv] if isinstance(value, dict) else items
+        if len(value) <= 6 and all(_is_scalar(x) for x in flat):
+            return repr(value)
+        return f"a {type(value).__name__} of {len(value)} items"
+    if _is_scalar(value):
+        return repr(value)
+    return f"a value of type {type(value).__name__}"

@@ -1,8 +1,8 @@
 """Parsing and printing byte sizes ("16GiB", "512MB", 1 << 20)."""
 from __future__ import annotations
 
-import math
 import re
+from fractions import Fraction
 
 from gpumem.errors import InvalidInputError
 
@@ -19,7 +19,9 @@ _UNITS = {
     "k": KiB, "m": MiB, "g": GiB, "t": TiB,
     "kib": KiB, "mib": MiB, "gib": GiB, "tib": TiB,
 }
-_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+_SIZE_RE = re.compile(r"([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)")    # fullmatch of the stripped
+                                                                  # text: linear time
+_MAX_DIGITS = 64        # far past any memory size; bounds the work of parsing a string
 
 
 def parse_size(value: int | str, *, what: str = "size") -> int:
@@ -37,14 +39,17 @@ def parse_size(value: int | str, *, what: str = "size") -> int:
     if not isinstance(value, str):
         raise InvalidInputError(
             f"{what} must be an int or a string such as '16GiB', got {type(value).__name__} {value!r}")
-    m = _SIZE_RE.match(value)
+    m = _SIZE_RE.fullmatch(value.strip())
     if not m or m.group(2).lower() not in _UNITS:
         raise InvalidInputError(
             f"{what}: cannot parse {value!r}; expected a number with an optional unit "
             f"(B, KiB, MiB, GiB, TiB, KB, MB, GB, TB), e.g. '16GiB'")
-    number = float(m.group(1))
-    nbytes = number * _UNITS[m.group(2).lower()]
-    if not math.isfinite(nbytes) or nbytes != int(nbytes):
+    digits = m.group(1)
+    if len(digits) > _MAX_DIGITS:
+        raise InvalidInputError(f"{what}: {value[:40]!r}... has more than {_MAX_DIGITS} digits")
+    # exact arithmetic: a float would turn "18446744073709551617" into ...616
+    nbytes = Fraction(digits) * _UNITS[m.group(2).lower()]
+    if nbytes.denominator != 1:
         raise InvalidInputError(f"{what}: {value!r} is not a whole number of bytes")
     return int(nbytes)
 

@@ -16,6 +16,9 @@ Example::
     import gpumem_sim
     dev = gpumem_sim.SimDevice("1GiB", other_process_bytes="256MiB", fail_after=3, seed=7)
     gpumem_sim.install(dev)          # now "sim:0"
+
+Each device charges its driver calls a modeled CUDA time (``dev.modeled_driver_seconds``;
+:mod:`gpumem_sim.driver_costs`, ``driver_costs=False`` turns it off).
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ from gpumem_sim.device import (
     SimDevice,
     SimSegment,
 )
+from gpumem_sim.driver_costs import CALLS, CUDA_DRIVER_COSTS, DriverCostModel
 from gpumem_sim.registry import (
     DEFAULT_CAPACITY,
     PrivateSimDevice,
@@ -48,4 +52,5 @@ __all__ = [
     "nothing_installed",
     "ENV_VAR", "DEFAULT_CAPACITY", "MAX_CAPACITY", "MAX_ALIGNMENT", "CALL_LOG_LIMIT",
     "SIM_ERROR_OUT_OF_MEMORY", "SIM_ERROR_INJECTED",
+    "DriverCostModel", "CALLS", "CUDA_DRIVER_COSTS",
 ]

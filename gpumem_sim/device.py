@@ -37,13 +37,14 @@ import threading
 from collections import deque
 from typing import Any, NamedTuple
 
-from gpumem.backends.base import Device, DeviceProperties
+from gpumem.backends.base import Device, DeviceKind, DeviceProperties
 from gpumem.errors import DriverError, DriverOutOfMemory, InvalidInputError
 from gpumem.units import format_bytes
 from gpumem_sim._common import (_MMAP_KW, _UNSET, SimCall, _bytes_view, _fail_after_arg,
                                 _fail_free_arg, _fail_kind_arg, _int_arg, _rate_arg,
                                 _reserve_window, _size_arg)
 from gpumem_sim._ranges import RangeAllocator
+from gpumem_sim.driver_costs import ModeledDriverTime, make_meter
 from gpumem_sim.vmm import DEFAULT_VM_GRANULARITY, VA_WINDOW_FACTOR, VirtualMemory
 
 __all__ = [
@@ -87,7 +88,7 @@ class _Segment:
         self.store = store
 
 
-class SimDevice(VirtualMemory, Device):
+class SimDevice(VirtualMemory, ModeledDriverTime, Device):
     """A simulated GPU with ``capacity`` bytes (an int or a string such as ``"16GiB"``).
 
     - Segments are ranges of a private address window starting at :attr:`base_address`; each
@@ -108,18 +109,26 @@ class SimDevice(VirtualMemory, Device):
       ``failed_frees``, ``synchronize_calls``, ``mem_get_info_calls``, ``peak_live_bytes``,
       ``live_segments``, ``live_bytes``) and the :attr:`calls` log let tests observe the
       driver traffic of the code under test.
+    - Driver time is modeled (never slept): each call is charged what it would cost on a GPU
+      (:mod:`gpumem_sim.driver_costs`), summed in :attr:`modeled_driver_seconds` with a per-call
+      :attr:`modeled_driver_breakdown`. ``driver_costs=None`` charges the CUDA table,
+      ``False`` turns the model off, a mapping overrides entries (``{"vm_map": 2e-6}``,
+      ``{"vm_create": (0.0, 1e-10)}``), a :class:`~gpumem_sim.driver_costs.DriverCostModel`
+      is used as is.
 
     ``index`` is -1 until :func:`gpumem_sim.install` gives the device its ``sim:N`` name. All
     methods are thread-safe (one lock per device).
     """
 
     backend = "sim"
+    kind = DeviceKind.SIMULATED
 
     def __init__(self, capacity: int | str, *, alignment: int = 256, name: str | None = None,
                  other_process_bytes: int | str = 0, back_memory: bool = False, seed: int = 0,
                  fail_after: int | None = None, fail_rate: float = 0.0,
                  fail_free: bool | int = False, fail_kind: str = "oom",
-                 vm_granularity: int = DEFAULT_VM_GRANULARITY) -> None:
+                 vm_granularity: int = DEFAULT_VM_GRANULARITY,
+                 driver_costs: Any = None) -> None:
         cap = _size_arg(capacity, "capacity")
         if cap <= 0:
             raise InvalidInputError(f"capacity must be > 0 bytes, got {cap}")
@@ -143,6 +152,7 @@ class SimDevice(VirtualMemory, Device):
         if vm_gran & (vm_gran - 1) or vm_gran > MAX_ALIGNMENT:
             raise InvalidInputError(f"vm_granularity must be a power of two between 1 and "
                                     f"{MAX_ALIGNMENT}, got {vm_gran}")
+        meter = make_meter(driver_costs)
 
         self._lock = threading.Lock()
         self.index: int = -1
@@ -172,6 +182,7 @@ class SimDevice(VirtualMemory, Device):
         self._next_event = 1
 
         self._calls: deque[SimCall] = deque(maxlen=CALL_LOG_LIMIT)
+        self._meter = meter
         self.alloc_calls = 0
         self.free_calls = 0
         self.failed_allocs = 0
@@ -233,8 +244,10 @@ class SimDevice(VirtualMemory, Device):
 
     @property
     def calls(self) -> list[SimCall]:
-        """The driver calls so far (alloc, free, synchronize), oldest first; the last
-        ``CALL_LOG_LIMIT`` are kept."""
+        """The driver calls that change state so far (alloc, free, synchronize and the
+        ``vm_*`` calls), oldest first; the last ``CALL_LOG_LIMIT`` are kept. Queries
+        (mem_get_info, events) are counted, not logged, so polling cannot push the allocation
+        history out of the log."""
         with self._lock:
             return list(self._calls)
 
@@ -251,6 +264,8 @@ class SimDevice(VirtualMemory, Device):
             self.injected_failures = self.failed_frees = 0
             self.synchronize_calls = self.mem_get_info_calls = 0
             self.peak_live_bytes = self._live_bytes
+            if self._meter is not None:
+                self._meter.reset()
 
     def segments(self) -> list[SimSegment]:
         """Every live segment, in address order."""
@@ -329,6 +344,8 @@ class SimDevice(VirtualMemory, Device):
     def mem_get_info(self) -> tuple[int, int]:
         with self._lock:
             self.mem_get_info_calls += 1
+            if self._meter is not None:
+                self._meter.charge("mem_get_info")
             return self._capacity - self._other - self._live_bytes, self._capacity
 
     # --- Device protocol: segments -----------------------------------------------------------
@@ -353,13 +370,13 @@ class SimDevice(VirtualMemory, Device):
                 self.failed_allocs += 1
                 self.injected_failures += 1
                 if self._fail_kind == "error":
-                    self._calls.append(SimCall("alloc", n, None, "injected_error"))
+                    self._record(SimCall("alloc", n, None, "injected_error"))
                     exc: DriverError = DriverError(
                         f"{self.device_string}: injected driver error allocating {n} bytes "
                         f"({injected})", code=SIM_ERROR_INJECTED[0],
                         code_name=SIM_ERROR_INJECTED[1])
                 else:
-                    self._calls.append(SimCall("alloc", n, None, "injected_oom"))
+                    self._record(SimCall("alloc", n, None, "injected_oom"))
                     exc = DriverOutOfMemory(
                         f"{self.device_string}: out of memory allocating {n} bytes (injected: "
                         f"{injected})", code=SIM_ERROR_OUT_OF_MEMORY[0],
@@ -371,7 +388,7 @@ class SimDevice(VirtualMemory, Device):
             offset = self._ranges.alloc(reserved) if reserved <= free else None
             if offset is None:
                 self.failed_allocs += 1
-                self._calls.append(SimCall("alloc", n, None, "oom"))
+                self._record(SimCall("alloc", n, None, "oom"))
                 if reserved > free:
                     why = f"{format_bytes(free)} free of {format_bytes(self._capacity)}"
                 else:
@@ -391,7 +408,7 @@ class SimDevice(VirtualMemory, Device):
                 except (OSError, ValueError, OverflowError) as e:
                     self._ranges.free(offset, reserved)
                     self.failed_allocs += 1
-                    self._calls.append(SimCall("alloc", n, None, "oom"))
+                    self._record(SimCall("alloc", n, None, "oom"))
                     oom = DriverOutOfMemory(
                         f"{self.device_string}: cannot back {format_bytes(reserved)} with host "
                         f"memory ({e}); use back_memory=False for large simulated segments",
@@ -404,7 +421,7 @@ class SimDevice(VirtualMemory, Device):
             self._live_bytes += reserved
             if self._live_bytes > self.peak_live_bytes:
                 self.peak_live_bytes = self._live_bytes
-            self._calls.append(SimCall("alloc", n, handle, "ok"))
+            self._record(SimCall("alloc", n, handle, "ok"))
             return handle, self._base + offset
 
     def free_segment(self, handle: int) -> None:
@@ -418,7 +435,7 @@ class SimDevice(VirtualMemory, Device):
             if self._fail_free_left > 0:
                 self._fail_free_left -= 1
                 self.failed_frees += 1
-                self._calls.append(SimCall("free", seg.nbytes, h, "injected_error"))
+                self._record(SimCall("free", seg.nbytes, h, "injected_error"))
                 exc = DriverError(
                     f"{self.device_string}: injected failure freeing segment {h} "
                     f"({seg.nbytes} bytes); the segment is still allocated",
@@ -431,7 +448,12 @@ class SimDevice(VirtualMemory, Device):
             if seg.store is not None:
                 seg.store.close()
                 seg.store = None
-            self._calls.append(SimCall("free", seg.nbytes, h, "ok"))
+            self._record(SimCall("free", seg.nbytes, h, "ok"))
+
+    def segment_size(self, handle: int) -> int:
+        """The byte count of a live segment (InvalidInputError for an unknown handle)."""
+        with self._lock:
+            return self._segment(handle).nbytes
 
     def resolve(self, handle: int, offset: int, nbytes: int) -> int:
         """The address of ``nbytes`` at ``offset`` in the segment (checked to lie inside it)."""
@@ -516,7 +538,7 @@ class SimDevice(VirtualMemory, Device):
             for s in self._submitted:
                 self._completed[s] = self._submitted[s]
             self.synchronize_calls += 1
-            self._calls.append(SimCall("synchronize", 0, None, "ok"))
+            self._record(SimCall("synchronize", 0, None, "ok"))
 
     # --- simulated work (tests drive it) -----------------------------------------------------
     def submit(self, stream: int, n: int = 1) -> int:
@@ -563,6 +585,8 @@ class SimDevice(VirtualMemory, Device):
             e = self._next_event
             self._next_event += 1
             self._events[e] = (s, self._submitted[s])
+            if self._meter is not None:
+                self._meter.charge("event_record")
             return e
 
     def event_done(self, event: int) -> bool:
@@ -572,6 +596,8 @@ class SimDevice(VirtualMemory, Device):
                 s, ticket = self._events[event]
             except (KeyError, TypeError):
                 raise InvalidInputError(f"unknown event {event!r} on {self.device_string}") from None
+            if self._meter is not None:
+                self._meter.charge("event_query")
             if s not in self._completed:
                 return True
             return self._completed[s] >= ticket
@@ -592,6 +618,13 @@ class SimDevice(VirtualMemory, Device):
         """Nothing to release: segments stay allocated until freed (idempotent)."""
 
     # --- helpers (call with the lock held) ---------------------------------------------------
+    def _record(self, call: SimCall) -> None:
+        """Log a driver call and charge its modeled time (the fixed part only when it
+        failed: the driver spent the call's overhead, not the per-byte work)."""
+        self._calls.append(call)
+        if self._meter is not None:
+            self._meter.charge(call.op, call.nbytes, call.outcome == "ok")
+
     def _stream(self, stream: Any) -> int:
         if isinstance(stream, bool) or not isinstance(stream, int) or stream not in self._submitted:
             known = ", ".join(str(s) for s in self._submitted)

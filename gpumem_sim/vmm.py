@@ -110,7 +110,7 @@ class VirtualMemory:
     _live_bytes: int
     _back_memory: bool
     _fail_kind: str
-    _calls: Any
+    _record: Any
     peak_live_bytes: int
 
     def _vm_init(self, granularity: int, seed: int, window: int) -> None:
@@ -181,7 +181,7 @@ class VirtualMemory:
 
     def _vm_log(self, op: str, nbytes: int, handle: int | None, outcome: str = "ok") -> None:
         self.vm_calls[op] += 1
-        self._calls.append(SimCall("vm_" + op, nbytes, handle, outcome))
+        self._record(SimCall("vm_" + op, nbytes, handle, outcome))   # logs and charges it
 
     def vm_reserve(self, nbytes: int) -> int:
         n = self._vm_size(nbytes)

@@ -10,6 +10,10 @@
 - ``backend_manager``: the same test on each backend of ``GPUMEM_TEST_BACKENDS`` (comma list
   among sim, cpu, opencl, cuda); unset: all four, each unavailable one skipped with its reason.
 - ``clean_registry``: no simulated devices and no GPUMEM_SIM_DEVICES during the test.
+- ``fallback``: ``(manager, held, fb)``: a 64 MiB sim device whose manager (CPU fallback on)
+  holds 48 MiB in ``held`` and served ``fb`` (32 MiB) from host memory; closed afterwards.
+- ``fake``: the helpers of tests/fake_cuda when this process's cuda backend runs on that fake
+  driver (ci/test.sh's fake-driver passes); skips elsewhere.
 
 Plain helpers (backend selection, ``sim_manager``) are in invariants.py.
 """
@@ -122,6 +126,37 @@ def make_manager(sim_device):
 @pytest.fixture
 def manager(make_manager) -> MemoryManager:
     return make_manager()
+
+
+@pytest.fixture
+def fallback(sim_device):
+    sim_device("64MiB", back_memory=True)
+    mm = MemoryManager("sim:0", MemoryConfig(cpu_fallback_enabled=True, min_free_bytes=0,
+                                             gpu_memory_fraction=1.0))
+    try:
+        held = mm.malloc(48 << 20)
+        fb = mm.malloc(32 << 20)                             # does not fit: host memory
+        yield mm, held, fb
+    finally:
+        mm.close()
+
+
+@pytest.fixture
+def fake():
+    """The fake's helpers when this process's cuda backend runs on it; else skip."""
+    import ctypes
+
+    import fake_cuda
+    from gpumem.backends import cuda as cuda_mod
+    if "cuda" not in selected_backends(()):
+        pytest.skip("GPUMEM_TEST_BACKENDS does not name cuda")
+    ok, reason = cuda_mod.BACKEND.availability()
+    if not ok:
+        pytest.skip(f"backend 'cuda' unavailable: {reason}")
+    lib = ctypes.CDLL("libcuda.so.1")
+    if not hasattr(lib, "fake_cuda_live_allocations"):
+        pytest.skip("a real NVIDIA driver is loaded, not the fake")
+    return fake_cuda.helpers()
 
 
 # unknown names are kept: require_backend fails them loudly (a typo must not pass silently)

@@ -5,7 +5,7 @@ one heap are merged, size-class lists and bitmaps agree, counters equal a recoun
 checks from Python what a user can see:
 
 - no two live blocks overlap, no two segments overlap, every block lies in its segment;
-- ``MemoryStats``: ``total_allocated_bytes == in_use_bytes + pooled_bytes`` and each field equals
+- ``MemoryStats``: ``reserved_bytes == in_use_bytes + cached_bytes`` and each field equals
   a recount over ``pool.segments()``;
 - with ``live=`` (the buffers the test holds): ``active_buffers`` equals the number still alive,
   and each device buffer is a live block of the pool at its own address and size;
@@ -27,25 +27,32 @@ It also holds the plain helpers test modules share (fixtures live in conftest.py
 - ``DATA``: gpumem's data folder (presets, shipped traces) where gpumem was imported from;
   ``require_checkout(what)``: the source checkout, or a skip when this copy of tests/ runs
   outside one (ci/package.sh runs it against an installed wheel).
+- ``run_threads(work, args)``: ``work(a)`` for each ``a`` on its own thread, all at once; the
+  exceptions they raised (the test asserts there are none).
 """
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import pytest
 
 import gpumem
 import gpumem_sim
 from gpumem import FallbackBuffer, MemoryConfig, MemoryManager
-from gpumem.backends import get_backend
+from gpumem.backends import BACKEND_NAMES, canonical_device, get_backend
 
-__all__ = ["DATA", "CHECKOUT", "require_checkout", "check", "live_ranges", "stats_without", "snapshot_state", "TEST_EXPANDABLE",
+__all__ = ["DATA", "CHECKOUT", "require_checkout", "check", "live_ranges", "stats_without",
+           "snapshot_state", "TEST_EXPANDABLE",
            "ALL_BACKENDS", "selected_backends", "require_backend", "device_string",
-           "backend_device", "EXACT", "QUIET", "sim_manager"]
+           "backend_device", "EXACT", "QUIET", "sim_manager", "run_threads"]
 
+#: every bundled backend, the ones every machine has first (a new registry row joins the
+#: backend tests by itself)
 ALL_BACKENDS = ("sim", "cpu", "opencl", "cuda")
+ALL_BACKENDS += tuple(n for n in BACKEND_NAMES if n not in ALL_BACKENDS)
 
 #: gpumem's data (model presets, the shipped traces) from the gpumem under test: the checkout's,
 #: or an installed wheel's
@@ -87,7 +94,7 @@ def require_backend(name: str) -> None:
 
 def device_string(name: str) -> str:
     """Device 0 of backend ``name``: ``"cpu"``, ``"sim:0"``, ``"opencl:0"``, ``"cuda:0"``."""
-    return "cpu" if name == "cpu" else f"{name}:0"
+    return canonical_device(f"{name}:0")
 
 
 def backend_device(name: str, capacity: int | str = "4GiB", **sim_options: Any) -> str:
@@ -125,6 +132,26 @@ def sim_manager(capacity: int | str, *, device: Any = None, back_memory: bool = 
         gpumem_sim.install(dev)
     cfg = MemoryConfig(**{**(EXACT if base is None else base), **config})
     return dev, MemoryManager("sim:0" if install else dev, cfg)
+
+
+def run_threads(work: Callable[[Any], None], args: Iterable[Any], *,
+                timeout: float | None = None) -> list[BaseException]:
+    """Run ``work(a)`` for each of ``args`` on its own thread, all started before any is
+    joined (each join waits at most ``timeout`` seconds); what they raised, in no order."""
+    errors: list[BaseException] = []
+
+    def guarded(a: Any) -> None:
+        try:
+            work(a)
+        except BaseException as exc:        # surfaced by the caller
+            errors.append(exc)
+
+    threads = [threading.Thread(target=guarded, args=(a,)) for a in args]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    return errors
 
 
 def live_ranges(manager: Any) -> list[tuple[int, int, int]]:
@@ -222,7 +249,7 @@ def check(manager: Any, live: Iterable[Any] | None = None) -> None:
     for (a0, a1, ha), (b0, b1, hb) in zip(seg_ranges, seg_ranges[1:]):
         assert a1 <= b0, f"segments {ha:#x} [{a0:#x},{a1:#x}) and {hb:#x} [{b0:#x},{b1:#x}) overlap"
     assert len({s["handle"] for s in segs}) == len(segs), "two segments share a handle"
-    reserved = in_use = requested = pooled = largest = nlive = 0
+    reserved = in_use = requested = cached = largest = nlive = 0
     ids = set()
     for s in segs:
         reserved += s["size"]
@@ -240,7 +267,7 @@ def check(manager: Any, live: Iterable[Any] | None = None) -> None:
                 assert b["id"] not in ids, f"two live blocks share id {b['id']}"
                 ids.add(b["id"])
             else:
-                pooled += b["size"]
+                cached += b["size"]
                 largest = max(largest, b["size"])
         assert end == s["size"], f"segment {s['handle']:#x}: blocks cover {end} of {s['size']}"
     ranges = live_ranges(manager)
@@ -249,11 +276,11 @@ def check(manager: Any, live: Iterable[Any] | None = None) -> None:
 
     # stats ------------------------------------------------------------------------------------
     st = manager.stats()
-    assert st.total_allocated_bytes == st.in_use_bytes + st.pooled_bytes, st
-    assert st.total_allocated_bytes == reserved, (st.total_allocated_bytes, reserved)
+    assert st.reserved_bytes == st.in_use_bytes + st.cached_bytes, st
+    assert st.reserved_bytes == reserved, (st.reserved_bytes, reserved)
     assert st.in_use_bytes == in_use, (st.in_use_bytes, in_use)
     assert st.requested_bytes == requested, (st.requested_bytes, requested)
-    assert st.pooled_bytes == pooled, (st.pooled_bytes, pooled)
+    assert st.cached_bytes == cached, (st.cached_bytes, cached)
     assert st.largest_free_block == largest, (st.largest_free_block, largest)
     assert st.num_segments == len(segs), (st.num_segments, len(segs))
     assert st.num_allocs - st.num_frees == nlive, (st.num_allocs, st.num_frees, nlive)
@@ -261,8 +288,8 @@ def check(manager: Any, live: Iterable[Any] | None = None) -> None:
     pending = getattr(manager, "pending_free_count", 0)
     nlive -= pending
     assert 0 <= getattr(manager, "pending_free_bytes", 0) <= st.in_use_bytes
-    assert st.peak_bytes >= st.in_use_bytes
-    assert st.peak_reserved_bytes >= st.total_allocated_bytes
+    assert st.peak_in_use_bytes >= st.in_use_bytes
+    assert st.peak_reserved_bytes >= st.reserved_bytes
     assert st.segments_created - st.segments_released == st.num_segments, st
     assert st.active_buffers >= nlive
     assert 0.0 <= st.hit_rate() <= 1.0

@@ -131,3 +131,72 @@ def test_every_public_name_imports():
     """Moving modules kept every name users import from gpumem itself."""
     for name in gpumem.__all__:
         assert getattr(gpumem, name) is not None, name
+
+
+# --- what may import what (docs/architecture.md) --------------------------------------------------
+#: a module may import, when it is imported, only modules of its own layer or below; the longest
+#: matching prefix gives a module's layer
+LAYERS = {
+    "gpumem.errors": 0, "gpumem.units": 0, "gpumem.config": 0, "gpumem.stats": 0,
+    "gpumem.logging_setup": 0,
+    "gpumem.backends": 1, "gpumem.backends.base": 1,      # the registry and the protocol
+    "gpumem._core": 2,
+    "gpumem.backends.": 3,                                # the backend modules themselves
+    "gpumem.buffer_protocol": 4, "gpumem.placement.peers": 4,
+    "gpumem.manager": 5, "gpumem.planning": 5,
+    "gpumem.observe": 6, "gpumem.placement": 6,
+    "gpumem.integrations": 7, "gpumem.dask": 7, "gpumem.testing": 7, "gpumem.cli": 7,
+    "gpumem": 7, "gpumem.__main__": 7,
+}
+
+
+def layer(module: str) -> int:
+    best = max((p for p in LAYERS if module == p or module.startswith(p if p.endswith(".")
+                                                                        else p + ".")),
+               key=len)
+    return LAYERS[best]
+
+
+def test_layers_import_only_downwards():
+    """The layers of docs/architecture.md: ground floor < backend protocol and registry <
+    _core < backend modules < buffer protocol, peers < manager, planning < observe, placement
+    < integrations, dask, testing, cli. An import that runs at import time never goes up."""
+    up = [f"{mod} ({layer(mod)}) imports {dest} ({layer(dest)})"
+          for mod, dests in import_graph().items() for dest in dests
+          if layer(dest) > layer(mod)]
+    assert not up, "imports up the layers:\n" + "\n".join(sorted(up))
+
+
+def test_every_module_has_a_layer():
+    """A new package gets its row in LAYERS (and a line in docs/architecture.md)."""
+    for mod in all_modules():
+        layer(mod)          # raises ValueError (max of nothing) for a module of no layer
+
+
+# --- backend names stay inside gpumem/backends ---------------------------------------------------
+_NAME_TEST = re.compile(r"""\.backend\s*(==|!=|\bin\b|\bnot in\b)|(\bbackend|device_string)\s*"""
+                        r"""(==|!=)\s*["'](cuda|opencl|sim|cpu)["']|\.startswith\(["'](cuda|"""
+                        r"""opencl|sim|cpu):""")
+
+
+def test_no_backend_name_is_tested_outside_backends():
+    """What the core, placement, views and bridges need of a device they read from its
+    declarations (kind, DLPack type, pinned segments...): no module outside gpumem/backends
+    compares a device's backend name or device string with a backend's name."""
+    found = []
+    for mod, path in all_modules().items():
+        if mod == "gpumem.backends" or mod.startswith("gpumem.backends."):
+            continue
+        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if _NAME_TEST.search(line.split("#")[0]):
+                found.append(f"{path.relative_to(PKG.parent)}:{n}: {line.strip()}")
+    assert not found, "backend names tested outside backends/:\n" + "\n".join(found)
+
+
+def test_the_name_check_finds_a_name_test():
+    """The pattern above matches what it must."""
+    for line in ('if device.backend == "cuda":', "if dev.backend in _GPU:",
+                 'if backend != "cuda":',
+                 'return mm.device_string == "cpu"', 'if not name.startswith("sim:"):'):
+        assert _NAME_TEST.search(line), line
+    assert not _NAME_TEST.search('location = "cpu" if kind is HOST else "device"')

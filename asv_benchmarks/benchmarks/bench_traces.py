@@ -4,7 +4,7 @@ on a 1 TiB simulated device.
 - ``TraceReplay.time_replay_cold``: a fresh manager replays the whole trace (segments are created
   on the way), then closes.
 - ``TraceReplay.time_replay_warm``: the same manager replays it again (its cache is populated).
-- ``TracePeaks.track_peak_reserved_<trace>`` (bytes) and ``track_reserved_over_live_<trace>``:
+- ``TracePeaks.track_peak_reserved_bytes_<trace>`` (bytes) and ``track_reserved_over_live_<trace>``:
   the peak of bytes held from the device in one cold replay, and that over the trace's peak of
   live requested bytes (1.0 is ideal; the traces README gives pyopencl's MemoryPool on PoCL as
   1.358 / 1.316 / 2.472 / 3.232 for gpt2_train / resnet50_train / gpt2_generate /
@@ -84,7 +84,7 @@ def _add_trace_tracks(name):
 
     reserved_over_live.unit = "ratio"
 
-    setattr(TracePeaks, f"track_peak_reserved_{ident}", peak_reserved)
+    setattr(TracePeaks, f"track_peak_reserved_bytes_{ident}", peak_reserved)
     setattr(TracePeaks, f"track_reserved_over_live_{ident}", reserved_over_live)
 
 

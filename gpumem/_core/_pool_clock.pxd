@@ -23,6 +23,7 @@ from gpumem._core.pool_layout cimport gm_event, gm_ring
 cdef extern from *:
     """
     #include <pthread.h>
+    #include <sched.h>
     #include <signal.h>
     #include <time.h>
     #include <atomic>
@@ -49,6 +50,8 @@ cdef extern from *:
     static void* gm_clock_tick(void*) {
         int idle = 0;
         struct timespec tick = {0, GM_CLOCK_TICK_NS};
+        /* a name that top, gdb and /proc/<pid>/task/<tid>/comm show (and the tests count) */
+        pthread_setname_np(pthread_self(), "gpumem-clock");
         for (;;) {
             gm_clock_now.store(gm_mono_ns(), std::memory_order_relaxed);
             nanosleep(&tick, NULL);
@@ -62,6 +65,25 @@ cdef extern from *:
             }
         }
         gm_clock_now.store(0, std::memory_order_relaxed);  /* events read the clock again */
+        /* Stopping when idle, the ticker detaches itself: otherwise a process that stops
+           allocating keeps a finished thread nobody joins (ThreadSanitizer's "thread leak").
+           Never wait for the mutex: fork's hook holds it while it joins this thread (it set
+           gm_clock_stop first); a starting event holds it only while gm_clock_running is 1,
+           so it never joins this thread either, and lets go soon. */
+        for (;;) {
+            if (pthread_mutex_trylock(&gm_clock_mu) == 0) {
+                if (gm_clock_joinable) {
+                    gm_clock_joinable = 0;
+                    pthread_detach(pthread_self());
+                }
+                gm_clock_running.store(0, std::memory_order_release);
+                pthread_mutex_unlock(&gm_clock_mu);
+                return NULL;
+            }
+            if (gm_clock_stop.load(std::memory_order_relaxed))
+                break;                          /* fork's hook joins this thread */
+            sched_yield();
+        }
         gm_clock_running.store(0, std::memory_order_release);
         return NULL;
     }

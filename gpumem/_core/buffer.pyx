@@ -1,73 +1,34 @@
 # cython: language_level=3, boundscheck=False, wraparound=False
 # distutils: language = c++
-"""Buffers and the thin malloc/free that makes them.
+"""Buffer: one block of a manager's pool, handed to the user.
 
-`ManagerCore` is the base class of `gpumem.MemoryManager`: its `malloc`/`free` are the whole
-Python-level hot path (argument checks, one gm_alloc/gm_free, one Buffer built without
-`__init__`). Everything rare (a miss, an error, tracking hooks) calls back into Python methods the
-subclass defines: `_malloc_slow`, `_on_alloc`, `_on_free`, `_trim_cache`, `_free_other`.
-
-The manager's state and cold machinery (deferred frees, destroyed streams, the address log)
-are in ManagerBase (manager_base.pyx), which ManagerCore subclasses.
-
-Thread safety (docs/concurrency.md): the pool lock is taken through the GIL-aware variants
-(`gm_alloc_gil`/`gm_free_gil`).
+A Buffer is built only by its manager's hot path (ManagerCore, manager_core.pyx) and goes back
+through it (`free()`, a `with` block, garbage collection). What a Buffer may offer is read from
+its device's declared capabilities (gpumem.backends.base.Device): host memory (`kind`) gets
+`__array_interface__`, memory DLPack calls kDLCUDA gets `__cuda_array_interface__`; no backend
+is named here.
 """
 cimport cython
 from libc.stdint cimport uint64_t
-from cpython.long cimport PyLong_AsLongLong, PyLong_AsLongLongAndOverflow
 from cpython.ref cimport PyObject
 
 from gpumem._core.manager_base cimport ManagerBase
 from gpumem._core.native_cache cimport NativeCache
-from gpumem._core.pool cimport (CachingPool, gm_pool, gm_block, gm_alloc_gil, gm_free_gil,
-                                GM_OK, GM_MISS, GM_UNKNOWN_STREAM, GM_BAD_BLOCK)
+from gpumem._core.pool cimport gm_block
 
-import operator
 import warnings
 
 from gpumem._core.manager_base import NOT_COPYABLE
-from gpumem.errors import (BufferInUseError, ClosedManagerError, DoubleFreeError,
-                           ForeignBufferError, InvalidInputError)
-
-cdef long long _SIZE_TOO_BIG = 1LL << 62
+from gpumem.backends.base import DeviceKind, DLPACK_CUDA, DLPACK_CPU
+from gpumem.errors import ClosedManagerError, InvalidInputError
 
 
-cdef long long _size_arg(object nbytes) except -1:
-    """nbytes as a C integer: TypeError for non-integers and bools, InvalidInputError for
-    negatives; values too large for C become _SIZE_TOO_BIG (an out-of-memory, not a crash)."""
-    cdef long long n
-    if type(nbytes) is not int:
-        if isinstance(nbytes, bool) or not hasattr(nbytes, "__index__"):
-            raise TypeError(f"nbytes must be an int, got {type(nbytes).__name__} {nbytes!r}")
-        nbytes = operator.index(nbytes)
-    if nbytes < 0:
-        raise InvalidInputError(f"nbytes must be >= 0, got {nbytes}")
-    if nbytes >= _SIZE_TOO_BIG:
-        return _SIZE_TOO_BIG
-    return PyLong_AsLongLong(nbytes)
-
-
-@cython.final
 @cython.freelist(64)           # recycled objects: ~15 ns off every malloc/free pair
 @cython.no_gc_clear            # __dealloc__ needs _owner even when collected in a cycle
 cdef class Buffer:
     """A block of device memory. Returned to its pool by `free()`, on leaving a `with` block,
     or when garbage-collected. `ptr` is the device address (synthetic on OpenCL: use `native`
     for the sub-buffer)."""
-
-    cdef size_t _ptr                     # read through `ptr`, which refuses freed buffers
-    cdef readonly size_t nbytes
-    cdef readonly uint64_t id
-    cdef readonly object tag
-    cdef uint64_t _stream
-    cdef gm_block* _block
-    cdef ManagerCore _owner
-    cdef list _used_on                   # other streams that use the bytes (record_stream)
-    cdef bint _free_after_exports        # a `with` block ended while views lived
-    cdef Py_ssize_t _exports             # live BufferViews: free() is refused while > 0;
-                                         # changed only under the GIL (view.pyx)
-    cdef object __weakref__
 
     def __init__(self, *args, **kwargs):
         raise TypeError("Buffers come from MemoryManager.malloc(); they cannot be built directly")
@@ -108,7 +69,7 @@ cdef class Buffer:
     @property
     def location(self) -> str:
         """"cpu" for host memory, else "device"."""
-        return "cpu" if self._owner.device_string == "cpu" else "device"
+        return _location(self._owner.device)
 
     @property
     def alive(self) -> bool:
@@ -165,7 +126,7 @@ cdef class Buffer:
     def __dealloc__(self):
         # RAII: a buffer dropped without free() goes back to the pool. This runs inside
         # tp_dealloc, so `self` must not reach Python code: observers get a _DroppedBuffer.
-        cdef ManagerCore owner = self._owner
+        cdef ManagerBase owner = self._owner
         if self._block == NULL or owner is None or owner._closed:
             return
         try:
@@ -210,12 +171,17 @@ cdef class Buffer:
         handle, offset = self.segment_location()
         return self._owner.device.resolve(handle, offset, self.nbytes)
 
+    cdef object _host_bytes(self, object obj, str what):
+        """``obj`` as flat bytes, no longer than the buffer (InvalidInputError naming `what`)."""
+        view = memoryview(obj).cast("B")
+        if len(view) > self.nbytes:
+            raise InvalidInputError(f"{what} has {len(view)} bytes but the buffer holds "
+                                    f"{self.nbytes}")
+        return view
+
     def copy_from_host(self, src) -> None:
         """Copy a bytes-like object (at most nbytes long) into the buffer; synchronous."""
-        view = memoryview(src).cast("B")
-        if len(view) > self.nbytes:
-            raise InvalidInputError(f"source has {len(view)} bytes but the buffer holds "
-                                    f"{self.nbytes}")
+        view = self._host_bytes(src, "source")
         handle, offset = self.segment_location()
         self._owner.device.copy_from_host(handle, offset, view, self._stream)
 
@@ -224,10 +190,7 @@ cdef class Buffer:
         import numpy as np
         if out is None:
             out = np.empty(self.nbytes, dtype=np.uint8)
-        view = memoryview(out).cast("B")
-        if len(view) > self.nbytes:
-            raise InvalidInputError(f"destination has {len(view)} bytes but the buffer holds "
-                                    f"{self.nbytes}")
+        view = self._host_bytes(out, "destination")
         handle, offset = self.segment_location()
         self._owner.device.copy_to_host(handle, offset, view, self._stream)
         return out
@@ -270,7 +233,7 @@ cdef class Buffer:
         """The whole buffer as 1-D uint8 (CUDA array interface v3, with the stream). The
         consumer holds this Buffer, not a view: pass ``view()`` to have free() refused while
         the consumer's array lives."""
-        if self._owner.device.backend != "cuda":
+        if self._owner.device.dlpack_device_type != DLPACK_CUDA:
             raise AttributeError("__cuda_array_interface__ is only offered by CUDA buffers")
         return self.view().__cuda_array_interface__
 
@@ -279,7 +242,7 @@ cdef class Buffer:
         """The whole buffer as 1-D uint8 for numpy (host memory only). Its ``data`` is the
         bytes of a view (buffer protocol) rather than an address, so numpy keeps that view
         alive with the array and free() is refused while the array lives."""
-        if self._owner.device.backend != "cpu":
+        if self._owner.device.dlpack_device_type != DLPACK_CPU:
             raise AttributeError("__array_interface__ is only offered by host (cpu) buffers")
         v = self.view()
         d = v.__array_interface__
@@ -295,6 +258,24 @@ cdef class Buffer:
         if not self.alive:
             raise InvalidInputError(f"buffer {self.id} has been freed")
         return _view_module().dlpack_device(self)
+
+
+cdef Buffer new_buffer(ManagerBase owner, gm_block* b, size_t n, uint64_t s, object tag):
+    """A Buffer for block `b` of `owner`'s pool: C stores only (the manager's hot path)."""
+    cdef Buffer buf = Buffer.__new__(Buffer)
+    buf._block = b
+    buf.id = b.serial
+    buf._ptr = b.segment.base + b.offset
+    buf.nbytes = n
+    buf._stream = s
+    buf.tag = tag
+    buf._owner = owner
+    return buf
+
+
+cdef str _location(device):
+    """A buffer's ``location``: "cpu" on a host-memory device, else "device"."""
+    return "cpu" if device.kind is DeviceKind.HOST else "device"
 
 
 cdef object _VIEW_MODULE = None
@@ -332,230 +313,7 @@ cdef class _DroppedBuffer:
         d.tag = buf.tag
         d.stream = buf._stream
         d.device = buf._owner.device_string
-        d.location = "cpu" if d.device == "cpu" else "device"
+        d.location = _location(buf._owner.device)
         return d
 
 
-cdef class ManagerCore(ManagerBase):
-    """malloc/free over a CachingPool; subclassed by gpumem.MemoryManager. Its state and cold
-    machinery (deferred frees, destroyed streams, the address log) are in ManagerBase."""
-
-    # plain method descriptors (not CyFunctions): mm.malloc(n) and buf.free() are direct calls;
-    # the signature stays visible to inspect through the clinic-format docstring
-    @cython.binding(False)
-    @cython.embedsignature(True)
-    @cython.embedsignature.format("clinic")
-    def malloc(self, nbytes, *, stream=None, tag=None, fallback=True):
-        """A Buffer of at least nbytes on this manager's device (stream: an int handle or any
-        framework's stream object, see `_stream_handle`), or a FallbackBuffer in host memory when the device is exhausted and CPU
-        fallback is on (the config's ``cpu_fallback_enabled``, and `fallback` for this call).
-        Raises OutOfMemoryError when neither can serve."""
-        cdef long long n = -1
-        cdef int overflow = 0
-        cdef uint64_t s
-        if type(nbytes) is int:          # C compares only: no Python int is built per call
-            n = PyLong_AsLongLongAndOverflow(nbytes, &overflow)
-        if overflow or not 0 <= n < _SIZE_TOO_BIG:
-            n = _size_arg(nbytes)
-        if stream is None:
-            s = 0
-        else:
-            s = self._stream_handle(stream)
-        if n == _SIZE_TOO_BIG and not self._closed:
-            raise self._oom_error(operator.index(nbytes))   # no device holds it: say what was asked
-        if fallback is True:                 # the hot path: one pointer comparison
-            return self._malloc_c(n, s, tag)
-        if fallback is False:
-            return self._malloc_c(n, s, tag, False)
-        raise InvalidInputError(f"fallback must be True or False, got "
-                                f"{type(fallback).__name__} {fallback!r}")
-
-    cdef object _malloc_c(self, long long n, uint64_t s, object tag, bint fallback=True):
-        """malloc after argument checks (shared with PlacementCore); `fallback` False: an
-        exhausted device raises OutOfMemoryError instead of returning host memory."""
-        cdef gm_block* b
-        if self._closed:
-            raise ClosedManagerError(f"the manager for {self.device_string} is closed")
-        if self.pending_free_bytes:
-            self.collect_pending_frees()
-        if self._ndead and s in self._dead_streams:       # refused there, or revived (handle reused)
-            return self._malloc_slow(n, s, tag) if fallback else \
-                self._malloc_slow(n, s, tag, False)
-        if <size_t>n > self._max_request or gm_alloc_gil(self._p, <size_t>n, s, &b) != GM_OK:
-            return self._malloc_slow(n, s, tag) if fallback else \
-                self._malloc_slow(n, s, tag, False)
-        return self._wrap(b, <size_t>n, s, tag)
-
-    @cython.binding(False)
-    @cython.embedsignature(True)
-    @cython.embedsignature.format("clinic")
-    def free(self, buffer) -> None:
-        """Return a buffer to the pool (DoubleFreeError, ForeignBufferError on misuse)."""
-        if type(buffer) is Buffer:
-            self._release(<Buffer>buffer)
-        else:
-            self._free_other(buffer)
-
-    cdef Buffer _wrap(self, gm_block* b, size_t n, uint64_t s, object tag):
-        cdef Buffer buf = Buffer.__new__(Buffer)
-        buf._block = b
-        buf.id = b.serial
-        buf._ptr = b.segment.base + b.offset
-        buf.nbytes = n
-        buf._stream = s
-        buf.tag = tag
-        buf._owner = self
-        if self._addr_log != NULL:       # history recording: C stores only
-            self._addr_log[2 * (self._addr_count & self._addr_mask)] = b.serial
-            self._addr_log[2 * (self._addr_count & self._addr_mask) + 1] = buf._ptr
-            self._addr_count += 1
-        if tag is not None and self._tags is not None:    # untagged buffers: one test
-            self._tags[b.serial] = tag
-            if len(self._tags) > self._tags_limit:
-                self._prune_tags()
-        if self._hooks:
-            self._on_alloc(buf)
-        return buf
-
-    cdef int _release(self, Buffer buf) except -1:
-        cdef int rc
-        if buf._owner is not self:
-            raise ForeignBufferError(f"buffer {buf.id} belongs to {buf._owner.device_string} "
-                                     f"manager {id(buf._owner):#x}, not this one")
-        if self._closed:
-            raise ClosedManagerError(f"cannot free buffer {buf.id}: the manager for "
-                                     f"{self.device_string} is closed")
-        if buf._block == NULL:
-            raise DoubleFreeError(f"buffer {buf.id} ({buf.nbytes} B) was already freed")
-        if buf._exports:
-            raise BufferInUseError(
-                f"buffer {buf.id} cannot be freed: {buf._exports} view(s) of it are alive "
-                f"(Buffer.view(), numpy arrays or DLPack capsules made from it); drop them "
-                f"first, or drop the buffer: it goes back to the pool with its last view")
-        if buf._used_on is not None:
-            self._defer_free(buf._block, buf.id, buf._used_on)
-            buf._block = NULL
-            buf._used_on = None
-            if self._hooks:
-                self._on_free(buf)
-            return 0
-        rc = gm_free_gil(self._p, buf._block, buf.id)
-        if rc != GM_OK:
-            raise DoubleFreeError(f"buffer {buf.id} is not live in this pool")
-        buf._block = NULL
-        if self._hooks:
-            self._on_free(buf)
-        if (self._p.stats.reserved_bytes.load() - self._p.stats.in_use_bytes.load()
-                > self._cache_limit):
-            self._trim_cache()
-        return 0
-
-    cdef int _release_dropped(self, gm_block* b, uint64_t serial, object info,
-                              list used_on) except -1:
-        """Buffer.__dealloc__'s free: the block by pointer and serial, observers told `info`."""
-        if used_on is not None:
-            self._defer_free(b, serial, used_on)
-        elif gm_free_gil(self._p, b, serial) != GM_OK:
-            return 0                  # already returned (e.g. the pool was reset)
-        if info is not None:
-            self._on_free(info)
-        if (self._p.stats.reserved_bytes.load() - self._p.stats.in_use_bytes.load()
-                > self._cache_limit):
-            self._trim_cache()
-        return 0
-
-    # --- used by MemoryManager's slow paths ---------------------------------------------------
-    def _alloc_in_new_segment(self, uint64_t handle, size_t base, size_t seg_size,
-                              size_t nbytes, uint64_t stream, tag) -> Buffer:
-        cdef gm_block* b
-        self.pool.add_segment_and_alloc(handle, base, seg_size, nbytes, stream, &b)
-        return self._wrap(b, nbytes, stream, tag)
-
-    def _alloc_in_grown_segment(self, uint64_t handle, size_t extra, size_t nbytes,
-                                uint64_t stream, tag):
-        """The request from segment `handle` grown by `extra` mapped bytes; None when the pool
-        did not take them (nothing changed)."""
-        cdef gm_block* b
-        if self.pool.grow_segment_and_alloc(handle, extra, nbytes, stream, &b) != 0:
-            return None
-        return self._wrap(b, nbytes, stream, tag)
-
-    def _alloc_cached(self, size_t nbytes, uint64_t stream, tag):
-        """A retry of the cache only; None on a miss."""
-        cdef gm_block* b
-        if gm_alloc_gil(self._p, nbytes, stream, &b) != GM_OK:
-            return None
-        return self._wrap(b, nbytes, stream, tag)
-
-    # defaults, overridden by MemoryManager
-    def _check_stream(self, stream) -> None:
-        pass
-
-    def _malloc_slow(self, nbytes, stream, tag, fallback=True):
-        raise TypeError("ManagerCore is abstract: use gpumem.MemoryManager")
-
-    def _on_alloc(self, buf) -> None:
-        pass
-
-    def _on_free(self, buf) -> None:
-        pass
-
-    def _trim_cache(self) -> None:
-        pass
-
-    def _free_other(self, buffer) -> None:
-        raise TypeError(f"free() takes a gpumem Buffer, got {type(buffer).__name__}")
-
-
-cdef class PlacementCore:
-    """The hot path of gpumem.MultiDeviceManager: "most free usable memory" read from each
-    pool's C counters, then that manager's malloc, with no Python frame in between. Anything
-    else (a name, a stream, another policy, a closed manager) goes to `_allocate`."""
-
-    cdef tuple _fast_cores             # ManagerCores for the fast path, or None
-    cdef tuple _members                # every manager whose buffers free() accepts
-
-    def _set_fast_path(self, cores) -> None:
-        self._fast_cores = None if cores is None else tuple(cores)
-
-    def _set_members(self, managers) -> None:
-        self._members = tuple(managers)
-
-    def free(self, buffer) -> None:
-        """Free a buffer through the manager that allocated it (ForeignBufferError if that is
-        not one of this object's managers)."""
-        cdef ManagerCore owner
-        if type(buffer) is Buffer and self._members is not None:
-            owner = (<Buffer>buffer)._owner
-            for m in self._members:
-                if m is owner:
-                    owner._release(<Buffer>buffer)
-                    return
-        self._free_other(buffer)
-
-    def _free_other(self, buffer):
-        raise TypeError("PlacementCore is abstract: use gpumem.MultiDeviceManager")
-
-    def allocate_on_best_device(self, nbytes, name=None, *, stream=None, tag=None):
-        """Allocate nbytes on the device the policy picks; a `name` pins the device on its
-        first allocation and later ones follow it."""
-        cdef ManagerCore core
-        cdef ManagerCore best = None
-        cdef size_t in_use, room, best_room = 0
-        if (name is None and stream is None and self._fast_cores is not None
-                and type(nbytes) is int and 0 <= nbytes < _SIZE_TOO_BIG):
-            for core in self._fast_cores:
-                if core._closed:
-                    best = None
-                    break
-                in_use = core._p.stats.in_use_bytes.load()
-                room = core._max_request - in_use if core._max_request > in_use else 0
-                if best is None or room > best_room:
-                    best = core
-                    best_room = room
-            if best is not None:
-                return best._malloc_c(<long long>nbytes, 0, tag)
-        return self._allocate(nbytes, name, stream, tag)
-
-    def _allocate(self, nbytes, name, stream, tag):
-        raise TypeError("PlacementCore is abstract: use gpumem.MultiDeviceManager")

@@ -1,7 +1,19 @@
+from typing import Any, Protocol
+
 from gpumem._core.pool import CachingPool
 from gpumem.backends.base import Device
 
 NOT_COPYABLE: str
+
+def stream_handle(stream: Any) -> int: ...
+
+class SlowPath(Protocol):
+    """What the core calls off the hot path (gpumem.manager.miss_path.MissPath)."""
+    def malloc(self, nbytes: int, stream: int, tag: Any, fallback: bool) -> Any: ...
+    def trim_cache(self) -> None: ...
+    def free_other(self, buffer: Any) -> None: ...
+    def check_stream(self, stream: int) -> None: ...
+    def oom_error(self, nbytes: int) -> Exception: ...
 
 class ManagerBase:
     pool: CachingPool

@@ -4,9 +4,14 @@
 
 `ManagerBase` holds what every manager keeps (pool, device, limits, flags C clients read) and
 runs what is rare: frees deferred until other streams pass an event (`Buffer.record_stream`),
-streams destroyed under the pool, the address log of the history, stream arguments.
-`ManagerCore` (buffer.pyx) subclasses it with malloc/free; `gpumem.MemoryManager` subclasses
-that.
+streams destroyed under the pool, the address log of the history, stream arguments, observers.
+`ManagerCore` (manager_core.pyx) subclasses it with malloc/free; `gpumem.MemoryManager`
+subclasses that.
+
+Off the hot path the core calls one part it holds, the *slow path* (`_slow_path`, set by
+`_set_slow_path`; `gpumem.manager.miss_path.MissPath`): `malloc` on a miss, `trim_cache` when
+the cache passes its cap, `free_other` for what is not a Buffer, `check_stream`, `oom_error`
+(the `SlowPath` protocol in manager_base.pyi). No Python subclass overrides a core method.
 
 Thread safety (docs/concurrency.md): deferred frees are appended to `_pending` without a lock
 (one list operation under the GIL, safe from `__dealloc__`) and removed only by the one
@@ -17,7 +22,7 @@ from libc.stdint cimport uint64_t
 from libc.stdlib cimport calloc, free
 
 from gpumem._core.native_cache cimport NativeCache
-from gpumem._core.pool cimport CachingPool, gm_block, gm_free_gil
+from gpumem._core.pool cimport CachingPool, gm_block, gm_free_gil, GM_OK
 
 import operator
 import threading
@@ -39,8 +44,25 @@ cdef class _PendingFree:
     cdef list events
 
 
+def stream_handle(stream) -> int:
+    """The integer handle of a stream argument: an int, or a stream object of any framework
+    (``foreign_stream_handle``). Values outside [0, 2**64) raise InvalidInputError."""
+    if type(stream) is int and 0 <= stream < _STREAM_LIMIT:
+        return stream
+    if isinstance(stream, bool):
+        raise TypeError("stream must be an int handle or a stream object, not a bool")
+    if hasattr(stream, "__index__"):
+        handle = operator.index(stream)
+    else:
+        handle = foreign_stream_handle(stream)
+    if not 0 <= handle < _STREAM_LIMIT:
+        raise InvalidInputError(f"stream handle must be in [0, 2**64), got {handle}")
+    return handle
+
+
 cdef class ManagerBase:
-    """The state of a manager and its cold machinery; ManagerCore (buffer.pyx) adds the hot path."""
+    """The state of a manager and its cold machinery; ManagerCore (manager_core.pyx) adds the
+    hot path."""
 
     # Device memory has one owner: see Buffer.__reduce_ex__.
     def __reduce_ex__(self, protocol):
@@ -83,9 +105,23 @@ cdef class ManagerBase:
                 self._addr_log[2 * (i & self._addr_mask) + 1]
         return out
 
-    def _prune_tags(self) -> None:
-        """Called when ``_tags`` outgrows ``_tags_limit`` (MemoryManager drops stale tags)."""
-        self._tags_limit = 2 * len(self._tags) + 4096
+    cdef int _prune_tags(self) except -1:
+        """``_tags`` outgrew ``_tags_limit`` (the alloc path, rarely): forget the tags of freed
+        buffers, except the newest ``_tags_keep`` ones a running history recorder may still
+        show."""
+        tags = self._tags
+        if tags is None:
+            return 0
+        ids = list(tags)
+        old = ids[:max(0, len(ids) - self._tags_keep)]
+        if old:
+            live = {b["id"] for seg in self.pool.segments() for b in seg["blocks"]
+                    if b["state"] == "allocated"}     # frees waiting for other streams too
+            for bid in old:
+                if bid not in live:
+                    tags.pop(bid, None)
+        self._tags_limit = 2 * len(tags) + 4096
+        return 0
 
     def _core_init(self, CachingPool pool, device, str device_string) -> None:
         self.pool = pool
@@ -99,6 +135,50 @@ cdef class ManagerBase:
         self._pending = []
         self._collect_lock = threading.RLock()
         self._dead_streams = set()
+        self._observers = ()
+
+    def _set_slow_path(self, slow_path) -> None:
+        """The part called off the hot path (see the module docstring)."""
+        self._slow_path = slow_path
+
+    def _set_observers(self, observers) -> None:
+        """Objects whose on_alloc(buf)/on_free(buf) see every buffer; () for none (the hot
+        path then does no extra work)."""
+        self._observers = tuple(observers)
+        self._hooks = bool(self._observers)
+
+    # --- Buffer's calls into its owner ------------------------------------------------------
+    cdef int _release(self, object buf) except -1:
+        raise TypeError("ManagerBase is abstract: use gpumem.MemoryManager")
+
+    cdef int _release_dropped(self, gm_block* b, uint64_t serial, object info,
+                              list used_on) except -1:
+        """Buffer.__dealloc__'s free: the block by pointer and serial, observers told `info`."""
+        if used_on is not None:
+            self._defer_free(b, serial, used_on)
+        elif gm_free_gil(self._p, b, serial) != GM_OK:
+            return 0                  # already returned (e.g. the pool was reset)
+        if info is not None:
+            self._notify(info, False)
+        if (self._p.stats.reserved_bytes.load() - self._p.stats.in_use_bytes.load()
+                > self._cache_limit):
+            self._trim()
+        return 0
+
+    cdef int _notify(self, object buf, bint alloc) except -1:
+        """Tell the observers of an allocation (`alloc`) or a free."""
+        for obs in self._observers:
+            if alloc:
+                obs.on_alloc(buf)
+            else:
+                obs.on_free(buf)
+        return 0
+
+    cdef int _trim(self) except -1:
+        """The cached bytes passed the cap: the slow path gives some back."""
+        if self._slow_path is not None:
+            self._slow_path.trim_cache()
+        return 0
 
     def _set_limits(self, max_request, cache_limit) -> None:
         """max_request: largest servable request; cache_limit: cached bytes kept (None: any)."""
@@ -237,16 +317,12 @@ cdef class ManagerBase:
         self._collecting = False
 
     def _stream_handle(self, stream) -> int:
-        """The integer handle of a stream argument: an int, or a stream object of any framework
-        (``foreign_stream_handle``). Values outside [0, 2**64) raise InvalidInputError."""
+        """The integer handle of a stream argument (see `stream_handle`)."""
         if type(stream) is int and 0 <= stream < _STREAM_LIMIT:
             return stream
-        if isinstance(stream, bool):
-            raise TypeError("stream must be an int handle or a stream object, not a bool")
-        if hasattr(stream, "__index__"):
-            handle = operator.index(stream)
-        else:
-            handle = foreign_stream_handle(stream)
-        if not 0 <= handle < _STREAM_LIMIT:
-            raise InvalidInputError(f"stream handle must be in [0, 2**64), got {handle}")
-        return handle
+        return stream_handle(stream)
+
+    def _check_stream(self, stream) -> None:
+        """A stream handle the device knows (Buffer.record_stream); the slow path registers it."""
+        if self._slow_path is not None:
+            self._slow_path.check_stream(stream)

@@ -525,13 +525,15 @@ cdef class CachingPool:
         return pool_segments.live_segment_handles(self._p)
 
     # --- statistics ---------------------------------------------------------------------------
-    def counters(self, bint consistent=False) -> dict:
+    def counters(self, bint consistent=False):          # a PoolCounters: a dict subclass
         """Every counter, as the user sees them (blocks in front caches are cached, not in use;
         ``peak_in_use_bytes`` counts them as in use, so it may exceed the true peak by at most
         what the front caches hold). By default read without the locks (each value exact
         unless a block moves between a front cache and the pool meanwhile, the set not one
         moment); with consistent=True copied under the locks, one moment, together with
-        ``largest_free_block``."""
+        ``largest_free_block``. Keys: gpumem.stats' vocabulary (``reserved_bytes``,
+        ``in_use_bytes``, ``cached_bytes``, ``pool_hits``...; docs/statistics.md); the old
+        ``hits``/``misses`` still read, with a DeprecationWarning."""
         return pool_inspect.counters(self._p, consistent)
 
 

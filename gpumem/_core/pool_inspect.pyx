@@ -19,6 +19,8 @@ from gpumem._core.pool_layout cimport (
 from gpumem._core._pool_inline cimport (_lock_all_gil, _unlock_all, _class_of, _class_floor,
                                         gm_clz64)
 
+from gpumem.stats import StatsDict
+
 # ---------------------------------------------------------------------------------------------
 # introspection: copied out under the lock into these C records, turned into Python after it
 ctypedef struct _segrow:
@@ -43,8 +45,15 @@ cdef enum:
 
 _COUNTER_NAMES = ("reserved_bytes", "in_use_bytes", "requested_bytes", "peak_in_use_bytes",
                   "peak_reserved_bytes", "active_blocks", "num_segments", "num_allocs",
-                  "num_frees", "hits", "misses", "segments_created", "segments_released",
-                  "whole_free_bytes")
+                  "num_frees", "pool_hits", "pool_misses", "segments_created",
+                  "segments_released", "whole_free_bytes")
+
+
+class PoolCounters(StatsDict):
+    """``CachingPool.counters()``: the vocabulary of gpumem.stats; the names used before
+    still read, with a DeprecationWarning."""
+    what = "CachingPool.counters()"
+    renamed = {"hits": "pool_hits", "misses": "pool_misses"}
 
 cdef void _read_counters(gm_pool* p, size_t* v) noexcept nogil:
     """The counters in _COUNTER_NAMES order, front caches folded in: the pool counts a block in
@@ -307,13 +316,13 @@ cdef void _walk_invariants(gm_pool* p, _findings* f) noexcept nogil:
         _note(f, 32, st.in_use_bytes.load(), in_use + binned_bytes)
 
 
-cdef dict counters(gm_pool* p, bint consistent):
+cdef object counters(gm_pool* p, bint consistent):
     """Every counter, as the user sees them (blocks in front caches are cached, not in use;
     ``peak_in_use_bytes`` counts them as in use, so it may exceed the true peak by at most
     what the front caches hold). By default read without the locks (each value exact
     unless a block moves between a front cache and the pool meanwhile, the set not one
     moment); with consistent=True copied under the locks, one moment, together with
-    ``largest_free_block``."""
+    ``largest_free_block``. A PoolCounters (a dict), built after unlocking."""
     cdef size_t v[_NCOUNTERS]
     cdef size_t largest = 0
     if consistent:
@@ -323,7 +332,10 @@ cdef dict counters(gm_pool* p, bint consistent):
         _unlock_all(p)
     else:
         _read_counters(p, v)
-    out = {name: v[i] for i, name in enumerate(_COUNTER_NAMES)}
+    out = PoolCounters()
+    for i, name in enumerate(_COUNTER_NAMES):
+        out[name] = v[i]
+    out["cached_bytes"] = v[0] - v[1] if v[0] > v[1] else 0
     if consistent:
         out["largest_free_block"] = largest
     return out

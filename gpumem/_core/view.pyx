@@ -31,6 +31,7 @@ import numpy as np
 
 from gpumem._core.buffer import Buffer
 from gpumem._core.dlpack import make_capsule
+from gpumem.backends.base import DLPACK_CPU, DLPACK_CUDA
 from gpumem.errors import InvalidInputError
 
 __all__ = ["BufferView", "DLDeviceType", "dlpack_device", "MAX_NDIM"]
@@ -54,17 +55,15 @@ cdef char* _FORMAT_B = "B"
 
 
 def dlpack_device(buffer) -> tuple:
-    """``(device_type, device_id)`` of a live Buffer's memory; BufferError where DLPack has no
-    zero-copy answer (sim and OpenCL buffers)."""
-    device = buffer.manager.device
-    if device.backend == "cuda":
-        return (DLDeviceType.kDLCUDA, device.index)
-    if device.backend == "cpu":
-        handle, _ = buffer.segment_location()
-        pinned = device.segment_pinned(handle)
-        return (DLDeviceType.kDLCUDAHost if pinned else DLDeviceType.kDLCPU, 0)
-    raise BufferError(f"{buffer.device} buffers have no DLPack device: DLPack exports host "
-                      f"(cpu, pinned, CPU fallback) and cuda buffers")
+    """``(device_type, device_id)`` of a live Buffer's memory, as its device declares it
+    (``Device.dlpack_device``); BufferError where DLPack has no zero-copy answer (sim and
+    OpenCL buffers)."""
+    handle, _ = buffer.segment_location()
+    found = buffer.manager.device.dlpack_device(handle)
+    if found is None:
+        raise BufferError(f"{buffer.device} buffers have no DLPack device: DLPack exports host "
+                          f"(cpu, pinned, CPU fallback) and cuda buffers")
+    return (DLDeviceType(found[0]), found[1])
 
 
 cdef tuple _int_tuple(object value, str name):
@@ -227,7 +226,7 @@ cdef class BufferView:
     cdef readonly Py_ssize_t nbytes     # bytes the elements cover (size * itemsize)
     cdef size_t _ptr                    # address of element (0, ..., 0)
     cdef _DtypeInfo _info
-    cdef str _backend_name              # the device's backend: "cpu", "cuda", "sim", "opencl"
+    cdef int _dl_type                   # the device's declared DLPack type; -1: none
     cdef tuple _dl_device               # (DLPack device type, id), worked out on first use
     cdef bint _counted
 
@@ -280,7 +279,8 @@ cdef class BufferView:
         v.c_contiguous = contiguous or n_elems == 0
         v.nbytes = n_elems * itemsize
         v._ptr = buffer.ptr + off
-        v._backend_name = buffer.manager.device.backend
+        dl_type = buffer.manager.device.dlpack_device_type
+        v._dl_type = -1 if dl_type is None else dl_type
         buffer._export_added()
         v._counted = True
         return v
@@ -322,11 +322,12 @@ cdef class BufferView:
                 f"offset={self.offset} of buffer {self.buffer.id} on {self.buffer.device}"
                 f"{', read-only' if self.readonly else ''}>")
 
-    cdef str _backend(self):
+    cdef int _memory(self) except -2:
+        """The declared DLPack type of the memory (-1: none); raises once the buffer is dead."""
         if not self.buffer.alive:
             raise InvalidInputError(f"buffer {self.buffer.id} has been freed (its manager "
                                     f"was closed)")
-        return self._backend_name
+        return self._dl_type
 
     cdef dict _interface(self):
         d = {"shape": self.shape, "typestr": self._info.typestr,
@@ -339,7 +340,7 @@ cdef class BufferView:
     # --- numpy -----------------------------------------------------------------------------------
     @property
     def __array_interface__(self) -> dict:
-        if self._backend() != "cpu":
+        if self._memory() != DLPACK_CPU:
             raise AttributeError(f"__array_interface__ is offered for host memory only (cpu "
                                  f"and CPU fallback); this view is on {self.buffer.device}")
         return self._interface()
@@ -350,7 +351,7 @@ cdef class BufferView:
         view) as the array's base. A separate object, because numpy prefers the buffer
         protocol to ``__array_interface__`` and would ignore the view's dtype and shape."""
         cdef _ViewBytes b
-        if self._backend() != "cpu":
+        if self._memory() != DLPACK_CPU:
             raise BufferError(f"the buffer protocol is offered for host memory only; this view "
                               f"is on {self.buffer.device}")
         if not self.c_contiguous:
@@ -365,7 +366,7 @@ cdef class BufferView:
     # --- CUDA array interface ---------------------------------------------------------------------
     @property
     def __cuda_array_interface__(self) -> dict:
-        if self._backend() != "cuda":
+        if self._memory() != DLPACK_CUDA:
             raise AttributeError(f"__cuda_array_interface__ is offered for cuda memory only; "
                                  f"this view is on {self.buffer.device}")
         d = self._interface()
@@ -377,7 +378,7 @@ cdef class BufferView:
 
     # --- DLPack -----------------------------------------------------------------------------------
     def __dlpack_device__(self) -> tuple:
-        self._backend()
+        self._memory()
         return self._device()
 
     cdef tuple _device(self):
@@ -399,7 +400,7 @@ cdef class BufferView:
         taken as kDLCPU). ``copy=True``: BufferError (views are zero-copy; copy in the
         consumer)."""
         cdef Py_ssize_t itemsize = self._info.itemsize
-        backend = self._backend()
+        memory = self._memory()
         device = self._device()
         if copy is not None and not isinstance(copy, bool):
             raise TypeError(f"copy must be None or a bool, got {type(copy).__name__}")
@@ -413,7 +414,14 @@ cdef class BufferView:
             elif wanted != tuple(device):
                 raise BufferError(f"dl_device {wanted} asked for, but this view's memory is on "
                                   f"{tuple(device)}; gpumem does not copy across devices")
-        versioned = max_version is not None and tuple(max_version)[0] >= 1
+        versioned = False
+        if max_version is not None:
+            try:
+                major, _minor = [operator.index(x) for x in max_version]
+            except (TypeError, ValueError):     # not iterable, not ints, not two of them
+                raise TypeError(f"max_version must be None or a (major, minor) tuple of ints, "
+                                f"got {max_version!r}") from None
+            versioned = major >= 1
         if self.readonly and not versioned:
             raise BufferError("a read-only view can be exported only as a versioned DLPack "
                               "capsule (max_version >= (1, 0)); the legacy capsule cannot say "
@@ -421,7 +429,7 @@ cdef class BufferView:
         if self._info.dl_code < 0:
             raise BufferError(f"dtype {self.dtype} has no DLPack equivalent (DLPack holds "
                               f"native bool, int, uint, float and complex up to 64+64 bits)")
-        if backend == "cuda":
+        if memory == DLPACK_CUDA:
             self._order_for_consumer(stream)
         elif stream is not None and stream != -1 and device[0] == DLDeviceType.kDLCPU:
             raise BufferError(f"stream must be None for host memory, got {stream!r}")
@@ -465,7 +473,7 @@ cdef class _ViewBytes:
         cdef BufferView v = self.view
         if v.readonly and (flags & PyBUF_WRITABLE) == PyBUF_WRITABLE:
             raise BufferError("this view is read-only")
-        v._backend()                         # raises once the manager is closed
+        v._memory()                          # raises once the manager is closed
         info.buf = <void*>v._ptr
         info.obj = self
         info.len = v.nbytes

@@ -9,6 +9,15 @@ a sub-buffer, see :meth:`Device.resolve`).
 
 Streams are integers; ``0`` is the device's default stream/queue.
 
+What the rest of gpumem needs to know about a device it reads from declarations here, never
+from a backend's name: :attr:`Device.kind` (an accelerator's own memory, the host's, or a
+simulation), :attr:`Device.dlpack_device_type` and :meth:`Device.dlpack_device` (which array
+protocols a buffer offers), :meth:`Device.segment_pinned`, :meth:`Device.segment_size`,
+:attr:`Device.holds_host_memory` (ranked last when a device is chosen) and
+:attr:`Device.supports_virtual_memory`. A new backend is one module with a :class:`Backend`
+and a :class:`Device` subclass plus one row in the registry (``gpumem/backends/__init__.py``,
+or :func:`gpumem.backends.register_backend` from outside the package).
+
 Virtual memory (optional). A device whose driver can map physical pages into reserved address
 ranges (CUDA's ``cuMem*`` VMM calls; sim models them) says so with
 :attr:`Device.supports_virtual_memory` and implements the ``vm_*`` calls. The rules are the
@@ -31,6 +40,7 @@ raises :class:`~gpumem.errors.UnsupportedOperationError`; the pool then uses pla
 from __future__ import annotations
 
 import abc
+import enum
 import inspect
 import threading
 import weakref
@@ -39,7 +49,21 @@ from typing import Any, Callable
 
 from gpumem.errors import InvalidInputError, UnsupportedOperationError
 
-__all__ = ["DeviceProperties", "DeviceDescription", "Device", "Backend", "check_block_range"]
+__all__ = ["DeviceKind", "DeviceProperties", "DeviceDescription", "Device", "Backend",
+           "check_block_range", "DLPACK_CPU", "DLPACK_CUDA", "DLPACK_CUDA_HOST"]
+
+#: DLPack device types (dlpack.h ``DLDeviceType``) a device may declare for its memory
+DLPACK_CPU = 1
+DLPACK_CUDA = 2
+DLPACK_CUDA_HOST = 3            # page-locked host memory (a pinned segment of a kDLCPU device)
+
+
+class DeviceKind(str, enum.Enum):
+    """What a backend's memory is."""
+
+    DEVICE = "device"           # an accelerator's own memory (cuda, opencl)
+    HOST = "host"               # the host's memory, addressable by the CPU (cpu)
+    SIMULATED = "simulated"     # a simulated device (sim): addresses, not memory a library reads
 
 #: Guards every device's list of stream listeners (short critical sections, no callbacks run
 #: under it).
@@ -81,18 +105,36 @@ class DeviceDescription:
     total_memory: int = 0
     free_memory: int = 0
     reason: str = ""            # why the backend is unavailable
-    simulated: bool = False     # a gpumem_sim device (or the sim backend's "none installed" row)
+    kind: DeviceKind = DeviceKind.DEVICE    # the backend's kind (Backend.kind)
+
+    @property
+    def simulated(self) -> bool:
+        """A simulated device (or the sim backend's "none installed" row)."""
+        return self.kind is DeviceKind.SIMULATED
 
 
 class Device(abc.ABC):
     """One opened device. Implementations must be safe to call from several threads."""
 
-    backend: str                # "sim", "cuda", "opencl", "cpu"
+    backend: str                # the registry name: "sim", "cuda", "opencl", "cpu", ...
     index: int
+    #: what the memory is; a subclass declares it (Backend.kind says the same of its devices)
+    kind: DeviceKind = DeviceKind.DEVICE
+    #: the DLPack device type of this device's memory (DLPACK_CPU, DLPACK_CUDA), None where
+    #: DLPack cannot address it (OpenCL buffers, simulated addresses). DLPACK_CUDA buffers also
+    #: offer ``__cuda_array_interface__``, DLPACK_CPU ones ``__array_interface__``.
+    dlpack_device_type: int | None = None
 
     @property
     def device_string(self) -> str:
-        return "cpu" if self.backend == "cpu" else f"{self.backend}:{self.index}"
+        return f"{self.backend}:{self.index}"
+
+    @property
+    def holds_host_memory(self) -> bool:
+        """True when the memory is the host's (the ``host`` kind; a CPU-type OpenCL device such
+        as PoCL overrides it). Such a device ranks after every accelerator when a device is
+        chosen automatically."""
+        return self.kind is DeviceKind.HOST
 
     # --- queries -------------------------------------------------------------------------
     @abc.abstractmethod
@@ -125,6 +167,27 @@ class Device(abc.ABC):
     def resolve(self, handle: int, offset: int, nbytes: int) -> Any:
         """The native object for a block: its address (int) for cuda/cpu/sim, a sub-buffer
         (``pyopencl.Buffer``) for OpenCL."""
+
+    @abc.abstractmethod
+    def segment_size(self, handle: int) -> int:
+        """The byte count of a live segment from :meth:`alloc_segment`; InvalidInputError for
+        a handle the device does not hold (freed, or never one of its segments)."""
+
+    def segment_pinned(self, handle: int) -> bool:
+        """True when the segment is page-locked host memory (DLPack: kDLCUDAHost). Default:
+        no segment is."""
+        return False
+
+    def dlpack_device(self, handle: int) -> tuple[int, int] | None:
+        """``(DLPack device type, device id)`` of segment ``handle``'s memory, None where DLPack
+        cannot address it: from :attr:`dlpack_device_type`, a pinned host segment being
+        kDLCUDAHost."""
+        kind = self.dlpack_device_type
+        if kind is None:
+            return None
+        if kind == DLPACK_CPU:
+            return (DLPACK_CUDA_HOST if self.segment_pinned(handle) else DLPACK_CPU, 0)
+        return (kind, self.index)
 
     # --- data movement (tests, CPU fallback, migration) ---------------------------------------
     @abc.abstractmethod
@@ -248,7 +311,8 @@ class Device(abc.ABC):
 class Backend(abc.ABC):
     """A family of devices reached through one driver."""
 
-    name: str                   # "sim", "cuda", "opencl", "cpu"
+    name: str                   # the registry name: "sim", "cuda", "opencl", "cpu", ...
+    kind: DeviceKind = DeviceKind.DEVICE     # what its devices' memory is (Device.kind)
 
     @abc.abstractmethod
     def availability(self) -> tuple[bool, str]:
@@ -267,7 +331,7 @@ class Backend(abc.ABC):
         ok, reason = self.availability()
         if not ok:
             return [DeviceDescription(device=self.name, backend=self.name, available=False,
-                                      reason=reason)]
+                                      reason=reason, kind=self.kind)]
         rows = []
         for i in range(self.device_count()):
             dev = self.open(i)
@@ -275,5 +339,6 @@ class Backend(abc.ABC):
             free, total = dev.mem_get_info()
             rows.append(DeviceDescription(device=dev.device_string, backend=self.name,
                                           available=True, name=props.name,
-                                          total_memory=total, free_memory=free))
+                                          total_memory=total, free_memory=free,
+                                          kind=self.kind))
         return rows

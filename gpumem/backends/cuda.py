@@ -22,7 +22,8 @@ import threading
 import weakref
 from typing import Any, Iterator
 
-from gpumem.backends.base import Backend, Device, DeviceProperties, check_block_range
+from gpumem.backends.base import (DLPACK_CUDA, Backend, Device, DeviceKind, DeviceProperties,
+                                  check_block_range)
 from gpumem.backends.cuda_driver import (_with_native_calls, check, load_driver, usable_memory,
                                          usable_memory_reserve)
 from gpumem.backends.cuda_host import pinned_alloc, pinned_free, process_memory_usage
@@ -55,6 +56,7 @@ class CudaBackend(Backend):
     """
 
     name = "cuda"
+    kind = DeviceKind.DEVICE
 
     def __init__(self, driver: Any = None) -> None:
         self._driver = driver
@@ -186,6 +188,8 @@ class CudaDevice(CudaVirtualMemory, Device):
     """
 
     backend = "cuda"
+    kind = DeviceKind.DEVICE
+    dlpack_device_type = DLPACK_CUDA
 
     def __init__(self, driver: Any, index: int) -> None:
         self._drv = driver
@@ -324,7 +328,9 @@ class CudaDevice(CudaVirtualMemory, Device):
 
     def segment_size(self, handle: int) -> int:
         with self._lock:
-            return self._segments[handle]
+            size = self._segments.get(handle)        # alloc_segment's, not reservations
+        check_block_range(self.device_string, handle, size, 0, 0)
+        return size
 
     # --- data movement ---------------------------------------------------------------------------
     def _stream_obj(self, stream: int) -> Any:
@@ -334,32 +340,29 @@ class CudaDevice(CudaVirtualMemory, Device):
         return s if s is not None else self._drv.CUstream(stream)
 
     def copy_from_host(self, handle: int, offset: int, src: memoryview, stream: int = 0) -> None:
-        mv = byte_view(src)
-        n = mv.nbytes
-        dst = self._span(handle, offset, n)
-        if n == 0:
-            return
-        host_ptr, keep = buffer_address(mv)
-        drv = self._drv
-        s = self._stream_obj(stream)
-        with self._current():
-            check(drv, drv.cuMemcpyHtoDAsync(dst, host_ptr, n, s), "cuMemcpyHtoDAsync")
-            check(drv, drv.cuStreamSynchronize(s), "cuStreamSynchronize")
-        del keep
+        self._copy(handle, offset, byte_view(src), stream, to_device=True)
 
     def copy_to_host(self, handle: int, offset: int, dst: memoryview, stream: int = 0) -> None:
         mv = byte_view(dst)
         if mv.readonly:
             raise InvalidInputError("copy_to_host: the destination buffer is read-only")
+        self._copy(handle, offset, mv, stream, to_device=False)
+
+    def _copy(self, handle: int, offset: int, mv: memoryview, stream: int,
+              to_device: bool) -> None:
+        """One synchronous copy between host bytes ``mv`` and the segment at ``offset``."""
         n = mv.nbytes
-        src = self._span(handle, offset, n)
+        dev_ptr = self._span(handle, offset, n)
         if n == 0:
             return
         host_ptr, keep = buffer_address(mv)
         drv = self._drv
         s = self._stream_obj(stream)
         with self._current():
-            check(drv, drv.cuMemcpyDtoHAsync(host_ptr, src, n, s), "cuMemcpyDtoHAsync")
+            if to_device:
+                check(drv, drv.cuMemcpyHtoDAsync(dev_ptr, host_ptr, n, s), "cuMemcpyHtoDAsync")
+            else:
+                check(drv, drv.cuMemcpyDtoHAsync(host_ptr, dev_ptr, n, s), "cuMemcpyDtoHAsync")
             check(drv, drv.cuStreamSynchronize(s), "cuStreamSynchronize")
         del keep
 

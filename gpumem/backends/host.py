@@ -22,7 +22,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from gpumem.backends.base import Backend, Device, DeviceProperties, check_block_range
+from gpumem.backends.base import (DLPACK_CPU, Backend, Device, DeviceKind, DeviceProperties,
+                                  check_block_range)
 from gpumem.errors import (DriverError, DriverOutOfMemory, InvalidDeviceError,
                            InvalidInputError)
 from gpumem.units import format_bytes
@@ -198,6 +199,7 @@ class HostBackend(Backend):
     """
 
     name = "cpu"
+    kind = DeviceKind.HOST
 
     def __init__(self, pinned: bool | None = None) -> None:
         self._pinned = pinned
@@ -225,6 +227,8 @@ class HostDevice(Device):
     """Host memory as a device. Handles are the segments' base addresses."""
 
     backend = "cpu"
+    kind = DeviceKind.HOST
+    dlpack_device_type = DLPACK_CPU
 
     def __init__(self, pinned: bool = False) -> None:
         self.index = 0
@@ -321,9 +325,12 @@ class HostDevice(Device):
     def resolve(self, handle: int, offset: int, nbytes: int) -> int:
         return self._segment(handle, offset, nbytes).address + offset
 
+    @property
+    def device_string(self) -> str:
+        return "cpu"                    # one host: the backend's name alone
+
     def segment_size(self, handle: int) -> int:
-        with self._lock:
-            return self._segments[handle].nbytes
+        return self._segment(handle, 0, 0).nbytes
 
     def segment_pinned(self, handle: int) -> bool:
         """True when the segment is page-locked (cuMemHostAlloc): DLPack calls it kDLCUDAHost."""

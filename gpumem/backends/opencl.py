@@ -41,7 +41,7 @@ import threading
 from typing import Any
 
 from gpumem._core.native_cache import NativeCache
-from gpumem.backends.base import Backend, Device, DeviceProperties, check_block_range
+from gpumem.backends.base import Backend, Device, DeviceKind, DeviceProperties, check_block_range
 from gpumem.backends.host import byte_view
 from gpumem.errors import (BackendUnavailableError, DriverError, DriverOutOfMemory,
                            InvalidDeviceError, InvalidInputError)
@@ -99,6 +99,7 @@ class OpenCLBackend(Backend):
     """Every OpenCL device of every platform pyopencl finds."""
 
     name = "opencl"
+    kind = DeviceKind.DEVICE
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -215,6 +216,7 @@ class OpenCLDevice(Device):
     default (in-order) queue. All copies and fills are waited for before returning."""
 
     backend = "opencl"
+    kind = DeviceKind.DEVICE
 
     def __init__(self, cl: Any, index: int, platform: Any, device: Any, *,
                  context: Any = None, queue: Any = None) -> None:
@@ -368,8 +370,16 @@ class OpenCLDevice(Device):
         return seg
 
     def segment_size(self, handle: int) -> int:
-        with self._lock:
-            return self._segments[handle].nbytes
+        return self._segment(handle, 0, 0).nbytes
+
+    @property
+    def holds_host_memory(self) -> bool:
+        """A CPU-type OpenCL device (PoCL) holds the host's memory."""
+        try:
+            kind = str(self.properties().extra.get("device_type", "")).upper()
+        except Exception:
+            return False
+        return "CPU" in kind and "GPU" not in kind
 
     def segment_buffer(self, handle: int) -> Any:
         """The whole segment's ``pyopencl.Buffer``."""

@@ -13,7 +13,7 @@ import operator
 import re
 from typing import TYPE_CHECKING
 
-from gpumem.backends.base import Backend, DeviceDescription
+from gpumem.backends.base import Backend, DeviceDescription, DeviceKind
 from gpumem.errors import InvalidDeviceError, InvalidInputError
 from gpumem.units import format_bytes, parse_size
 
@@ -23,7 +23,8 @@ if TYPE_CHECKING:
 __all__ = ["SimBackend", "BACKEND", "SIZE_SPEC", "open_private"]
 
 #: ``sim:<size>``: a private simulated device of that size (the part after ``sim:``).
-SIZE_SPEC = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]+)\s*$")
+#: Match with ``fullmatch`` on the stripped text (linear time; surrounding blanks are allowed).
+SIZE_SPEC = re.compile(r"([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]+)")
 
 
 class SimBackend(Backend):
@@ -31,6 +32,7 @@ class SimBackend(Backend):
     installing new devices takes effect at once."""
 
     name = "sim"
+    kind = DeviceKind.SIMULATED
 
     def availability(self) -> tuple[bool, str]:
         return True, ""
@@ -67,7 +69,7 @@ class SimBackend(Backend):
         devices = gpumem_sim.installed()
         if not devices:
             return [DeviceDescription(
-                device="sim", backend="sim", available=False, simulated=True,
+                device="sim", backend="sim", available=False, kind=self.kind,
                 reason=f"no simulated device installed (gpumem_sim.install or "
                        f"{gpumem_sim.ENV_VAR}); 'sim:0' opens a "
                        f"{format_bytes(gpumem_sim.DEFAULT_CAPACITY)} demo device, 'sim:<size>' "
@@ -77,7 +79,7 @@ class SimBackend(Backend):
             free, total = dev.mem_get_info()
             rows.append(DeviceDescription(device=dev.device_string, backend="sim", available=True,
                                           name=dev.name, total_memory=total, free_memory=free,
-                                          simulated=True))
+                                          kind=self.kind))
         return rows
 
 
@@ -86,7 +88,7 @@ def open_private(spec: str) -> SimDevice:
     the registry: every call makes another device."""
     import gpumem_sim
 
-    m = SIZE_SPEC.match(spec)
+    m = SIZE_SPEC.fullmatch(spec.strip())
     if m is None:
         raise InvalidDeviceError(f"device 'sim:{spec}': after 'sim:' give an index (sim:0) or a "
                                  f"size (sim:80GiB)")

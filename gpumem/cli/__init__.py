@@ -5,17 +5,20 @@ Commands::
     gpumem info                          devices of every backend, memory and pressure
     gpumem estimate --model mistral-7b   memory to run a transformer (preset or shape flags)
     gpumem replay TRACE                  replay an allocation trace through the real pool
+    gpumem tune TRACE --device sim:24GiB which gpumem/PyTorch settings fit it, on which card
     gpumem snapshot [--load FILE]        segments and blocks of a demo workload or a saved file
     gpumem plot TRACE OUT.png            live vs reserved memory over a trace
     gpumem demo                          what the allocator does, on a simulated device
     gpumem import-torch SNAP -o TRACE    a PyTorch memory snapshot's history as a trace
     gpumem cluster SCHEDULER_ADDRESS     gpumem's memory on every worker of a Dask cluster
+    gpumem trace synth KIND -o TRACE     a seeded synthetic trace (serving, varlen, training)
 
 With ``--json -`` a command writes only JSON to stdout (newline-terminated) and its report to
 stderr, so ``gpumem replay T --json - | jq .`` works.
 
 Errors are one line on stderr (``gpumem: error: ...``) and a non-zero exit status: 1 for a bad
-input or a failure, 2 for a usage error or a replay that ran out of memory.
+input or a failure, 2 for a usage error, a trace or PyTorch snapshot that cannot be read, or a
+replay that ran out of memory.
 """
 from __future__ import annotations
 
@@ -23,7 +26,8 @@ import argparse
 import sys
 from typing import Sequence
 
-from gpumem.cli import cluster, common, demo, info, inspect, replay, torch_import
+from gpumem.cli import (cluster, common, demo, info, inspect, replay, torch_import, trace,
+                        tune)
 from gpumem.cli.common import (
     DEMO_TRACE,
     EXIT_ERROR,
@@ -37,7 +41,7 @@ __all__ = ["main", "build_parser", "DEMO_TRACE", "GROUPS"]
 
 #: the command groups, in the order ``gpumem --help`` lists them: each module's
 #: ``register(subparsers)`` adds its commands
-GROUPS = (info, replay, inspect, torch_import, demo, cluster)
+GROUPS = (info, replay, tune, inspect, torch_import, trace, demo, cluster)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -22,7 +22,7 @@ def cmd_cluster(args: argparse.Namespace) -> int:
     except (OSError, TimeoutError, ValueError) as exc:
         raise CliError(f"cannot reach the Dask scheduler at {args.address!r}: {exc}") from None
     try:
-        rows = memory_report(client, show=False)
+        rows = memory_report(client, show=False, timeout=args.timeout)
     finally:
         client.close()
     if args.json:
@@ -35,9 +35,9 @@ def cmd_cluster(args: argparse.Namespace) -> int:
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the 'cluster' command."""
     s = sub.add_parser("cluster", help="gpumem's memory on every worker of a Dask cluster "
-                       "(GpumemPlugin's counters, as of the last heartbeat)")
+                       "(each worker's GpumemPlugin counters, asked of the workers)")
     s.add_argument("address", help="the scheduler's address, e.g. tcp://10.0.0.5:8786")
     s.add_argument("--timeout", type=float, default=10.0,
-                   help="seconds to wait for the scheduler (10)")
+                   help="seconds to wait for the scheduler, and for each worker's answer (10)")
     s.add_argument("--json", action="store_true", help="print JSON rows")
     s.set_defaults(func=cmd_cluster)

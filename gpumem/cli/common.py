@@ -12,8 +12,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DEMO_TRACE", "write_json", "EXIT_OK", "EXIT_ERROR", "EXIT_USAGE", "EXIT_OOM", "CliError", "Parser",
-           "say", "json_out", "fmt_bytes", "load_trace", "progress_for", "replay_cfg"]
+__all__ = ["DEMO_TRACE", "write_json", "EXIT_OK", "EXIT_ERROR", "EXIT_USAGE", "EXIT_OOM",
+           "EXIT_BAD_FILE", "CliError", "Parser", "say", "json_out", "fmt_bytes", "load_trace",
+           "load_torch_snapshot", "progress_for", "replay_cfg"]
 
 #: the small trace shipped with gpumem: step 1 of resnet50_train from data/traces (buffers
 #: live at the start of the step allocated first, everything freed at the end)
@@ -23,6 +24,9 @@ EXIT_OK = 0
 EXIT_ERROR = 1
 EXIT_USAGE = 2
 EXIT_OOM = 2
+#: a trace or PyTorch snapshot that cannot be read (malformed, missing): the input is unusable,
+#: as with a usage error, whatever the file says (its reading is bounded: docs/testing.md)
+EXIT_BAD_FILE = 2
 #: traces at least this long get a progress bar when stderr is a terminal
 PROGRESS_MIN_EVENTS = 200_000
 
@@ -63,10 +67,24 @@ def fmt_bytes(n: float) -> str:
 
 
 def load_trace(trace: str) -> Any:
+    """The trace at path ``trace`` ("demo": the shipped one); a bad file is a CliError with
+    EXIT_BAD_FILE."""
+    from gpumem.errors import TraceFormatError
     from gpumem.observe.trace import read_trace
-    if trace == "demo":
-        return read_trace(DEMO_TRACE)
-    return read_trace(trace)
+    try:
+        return read_trace(DEMO_TRACE if trace == "demo" else trace)
+    except TraceFormatError as exc:
+        raise CliError(str(exc), EXIT_BAD_FILE) from None
+
+
+def load_torch_snapshot(path: str, **options: Any) -> Any:
+    """``read_torch_snapshot(path, **options)``; a bad file is a CliError with EXIT_BAD_FILE."""
+    from gpumem.errors import InvalidInputError
+    from gpumem.observe.torch_snapshot import read_torch_snapshot
+    try:
+        return read_torch_snapshot(path, **options)
+    except InvalidInputError as exc:
+        raise CliError(str(exc), EXIT_BAD_FILE) from None
 
 
 def progress_for(n_events: int, flag: bool | None) -> bool:
@@ -93,19 +111,3 @@ def write_json(obj: Any, dest: str) -> None:
     except OSError as exc:
         raise CliError(f"cannot write {dest}: {exc.strerror or exc}") from None
     say(f"wrote {dest}")
-
-def cmd_plot(args: argparse.Namespace) -> int:
-    from gpumem.observe.plot import plot_segments, plot_timeline
-    from gpumem.observe.replay import replay
-    data = load_trace(args.trace)
-    res = replay(data, args.device, replay_cfg(args), phase=args.phase, record_series=True,
-                 snapshot_at="peak" if args.segments else None,
-                 progress=progress_for(len(data), None))
-    say(f"wrote {plot_timeline(res, args.out, x=args.x)}")
-    if args.segments and res.snapshot is not None:
-        say(f"wrote {plot_segments(res.snapshot, args.segments)}")
-    say(f"peak live {fmt_bytes(res.peak_live_bytes)}, peak reserved {fmt_bytes(res.peak_reserved_bytes)} "
-         f"(reserved/live {res.reserved_live_ratio:.3f}), hit rate {res.hit_rate:.1%}")
-    if res.num_ooms:
-        raise CliError(f"{res.num_ooms:,} allocation(s) did not fit on {args.device}", EXIT_OOM)
-    return EXIT_OK

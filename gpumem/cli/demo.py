@@ -53,7 +53,7 @@ def _demo_step(mm: Any, label: str, fn: Any) -> Any:
     if released:
         what.append(f"-{released} segment{'s' if released > 1 else ''}")
     say(f"{', '.join(what) or 'no pool traffic':<30} "
-         f"in use {fmt_bytes(after.in_use_bytes):>10}, reserved {fmt_bytes(after.total_allocated_bytes):>10}")
+         f"in use {fmt_bytes(after.in_use_bytes):>10}, reserved {fmt_bytes(after.reserved_bytes):>10}")
     return out
 
 
@@ -149,8 +149,8 @@ def _demo_replay(args: argparse.Namespace) -> None:
     if res.snapshot is not None:
         from gpumem.observe.snapshot import summarize
         sm = summarize(res.snapshot)
-        say(f"  at the peak: {sm['segments']} segments, {sm['allocated_blocks']:,} live blocks, "
-             f"{sm['free_blocks']} free blocks of {fmt_bytes(sm['free_bytes'])} (largest "
+        say(f"  at the peak: {sm['num_segments']} segments, {sm['allocated_blocks']:,} live blocks, "
+             f"{sm['free_blocks']} free blocks of {fmt_bytes(sm['cached_bytes'])} (largest "
              f"{fmt_bytes(sm['largest_free_block'])})")
     if args.plot:
         from gpumem.observe.plot import plot_segments, plot_timeline

@@ -3,13 +3,12 @@ from __future__ import annotations
 
 import argparse
 
-from gpumem.cli.common import EXIT_OK, CliError, fmt_bytes, say
+from gpumem.cli.common import EXIT_OK, CliError, fmt_bytes, load_torch_snapshot, say
 
 
 def cmd_import_torch(args: argparse.Namespace) -> int:
-    from gpumem.observe.torch_snapshot import read_torch_snapshot
     from gpumem.observe.trace import write_trace
-    data = read_torch_snapshot(args.snapshot, device=args.cuda_device, strict=args.strict)
+    data = load_torch_snapshot(args.snapshot, device=args.cuda_device, strict=args.strict)
     try:
         n = write_trace(args.output, data)
     except OSError as exc:

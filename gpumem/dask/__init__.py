@@ -18,8 +18,8 @@
   counters with each heartbeat, frees the cache and pauses the worker under memory pressure,
   and closes the manager (reporting leaks) at teardown;
 - :func:`worker_manager`: the manager of the worker a task runs on;
-- :func:`memory_report`: the scheduler's latest gpumem counters, one row per worker (also the
-  CLI's ``gpumem cluster SCHEDULER_ADDRESS``).
+- :func:`memory_report`: gpumem's counters asked of every worker, one row per worker (also the
+  CLI's ``gpumem cluster SCHEDULER_ADDRESS``); "no GpumemPlugin" only for a worker without one.
 """
 from __future__ import annotations
 

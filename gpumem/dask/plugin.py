@@ -112,8 +112,8 @@ class GpumemPlugin(WorkerPlugin):
       tasks go on, no new ones start) until the level falls below it. None turns either off.
       The level is checked every ``check_interval`` seconds and whenever it rises.
 
-    Each heartbeat carries the manager's counters to the scheduler (``metrics["gpumem"]``, see
-    :func:`gpumem.dask.memory_report`). At teardown (worker closing, or
+    Each heartbeat carries the manager's counters to the scheduler (``metrics["gpumem"]``);
+    :func:`gpumem.dask.memory_report` asks the workers for the same counters directly. At teardown (worker closing, or
     ``client.unregister_worker_plugin("gpumem")``) live buffers are logged as leaks and the
     manager is closed, returning every byte to the driver.
     """
@@ -255,17 +255,23 @@ class GpumemPlugin(WorkerPlugin):
 
     # --- metrics (sent with each heartbeat) ---------------------------------------------------
     def _metric(self, worker: "Worker") -> dict[str, Any]:
+        """The manager's counters, keyed by gpumem.stats' vocabulary (docs/statistics.md):
+        sent with each heartbeat, and what :func:`gpumem.dask.memory_report` asks for."""
         manager = self.manager
         if manager is None or manager.closed:
             return {"device": None}
         s = manager.stats()
         return {
             "device": manager.device_string,
-            "reserved_bytes": s.total_allocated_bytes,
+            "reserved_bytes": s.reserved_bytes,
             "in_use_bytes": s.in_use_bytes,
-            "cached_bytes": s.pooled_bytes,
-            "peak_bytes": s.peak_bytes,
+            "cached_bytes": s.cached_bytes,
             "peak_reserved_bytes": s.peak_reserved_bytes,
+            "peak_in_use_bytes": s.peak_in_use_bytes,
+            "num_allocs": s.num_allocs,
+            "num_frees": s.num_frees,
+            "pool_hits": s.pool_hits,
+            "pool_misses": s.pool_misses,
             "usable_bytes": manager.usable_memory,
             "active_buffers": s.active_buffers,
             "pressure": manager.pressure().name,

@@ -42,6 +42,7 @@ from libc.stdint cimport uint64_t, uint8_t, SIZE_MAX
 from libc.stdlib cimport calloc, free, malloc
 from libcpp.atomic cimport atomic, memory_order_acquire, memory_order_release, memory_order_relaxed
 
+from gpumem._core.manager_base cimport ManagerBase
 from gpumem._core.pool cimport (CachingPool, gm_pool, gm_block, gm_alloc, gm_free,
                                 gm_block_address, GM_OK)
 
@@ -49,8 +50,10 @@ import atexit
 import os
 import warnings
 
-from gpumem._core.buffer import Buffer, ManagerCore
+from gpumem._core.buffer import Buffer
+from gpumem._core.manager_core import ManagerCore
 from gpumem.errors import InvalidInputError, OutOfMemoryError
+from gpumem.stats import StatsDict
 
 cdef extern from "Python.h":
     ctypedef struct PyThreadState
@@ -87,7 +90,8 @@ ctypedef struct dev_ctx:
     const int* closed                    # the manager's _closed (a bint)
     const int* hooks                     # the manager's _via_python: every request through malloc
     PyObject* manager                    # owned reference
-    size_t cache_limit                   # max_pool_size, SIZE_MAX when unlimited
+    atomic[size_t] cache_limit           # max_pool_size, SIZE_MAX when unlimited (written with
+                                         # the GIL, read by frees without it: an atomic)
     int shared                           # bound from gpumem.get_manager (manager=None)
     atomic[size_t] live                  # table entries of this device
 
@@ -264,7 +268,8 @@ cdef public void gpumem_torch_free(void* ptr, ssize_t size, int device,
         _unlock_table()
         _bad_frees.fetch_add(1)
         return
-    if (p.stats.reserved_bytes.load() - p.stats.in_use_bytes.load() > e.ctx.cache_limit
+    if (p.stats.reserved_bytes.load() - p.stats.in_use_bytes.load()
+            > e.ctx.cache_limit.load(memory_order_relaxed)
             and not _shutting_down.load()):
         with gil:
             _trim(e.ctx)
@@ -320,7 +325,7 @@ cdef void _free_through_python(PyObject* owned) noexcept:
 
 cdef void _trim(dev_ctx* c) noexcept:
     try:
-        (<object>c.manager)._trim_cache()
+        (<ManagerBase>c.manager)._trim()
     except BaseException as exc:
         warnings.warn(f"gpumem torch allocator: trimming the cache failed: {exc}",
                       RuntimeWarning)
@@ -328,7 +333,7 @@ cdef void _trim(dev_ctx* c) noexcept:
 
 cdef void _refresh_limits(dev_ctx* c):
     limit = getattr(<object>c.manager, "_max_pool_size", None)
-    c.cache_limit = SIZE_MAX if limit is None else <size_t>limit
+    c.cache_limit.store(SIZE_MAX if limit is None else <size_t>limit, memory_order_relaxed)
 
 
 cdef dev_ctx* _context_for(int device) except NULL:
@@ -416,15 +421,26 @@ def live_blocks(device=None) -> int:
     return 0 if c == NULL else c.live.load()
 
 
-def counters() -> dict:
-    """What the entry points did since the process started: hits served without the GIL,
-    requests served through Python, frees by path, and what was refused or not understood."""
-    return {"hits": _hits.load(), "through_python": _misses.load(), "frees": _frees.load(),
-            "python_frees": _python_frees.load(), "ooms": _ooms.load(),
-            "fallbacks_refused": _fallbacks_refused.load(),
-            "unknown_frees": _unknown_frees.load(), "bad_frees": _bad_frees.load(),
-            "bad_requests": _bad_requests.load(), "errors": _errors.load(),
-            "dropped_at_exit": _dropped_at_exit.load()}
+class TorchCounters(StatsDict):
+    """:func:`counters`: gpumem.stats' vocabulary where a figure has a name there; the names
+    used before still read, with a DeprecationWarning."""
+    what = "gpumem.integrations.torch.counters()"
+    renamed = {"hits": "nogil_allocs", "frees": "nogil_frees", "ooms": "num_ooms"}
+
+
+def counters():                          # a TorchCounters: a dict subclass
+    """What the entry points did since the process started: requests served (``num_allocs``:
+    without the GIL, ``nogil_allocs``, or through Python) and frees (``num_frees``, by path),
+    ``num_ooms``, and what was refused or not understood."""
+    nogil_allocs, through_python = _hits.load(), _misses.load()
+    nogil_frees, python_frees = _frees.load(), _python_frees.load()
+    return TorchCounters(
+        num_allocs=nogil_allocs + through_python, num_frees=nogil_frees + python_frees,
+        num_ooms=_ooms.load(), nogil_allocs=nogil_allocs, through_python=through_python,
+        nogil_frees=nogil_frees, python_frees=python_frees,
+        fallbacks_refused=_fallbacks_refused.load(), unknown_frees=_unknown_frees.load(),
+        bad_frees=_bad_frees.load(), bad_requests=_bad_requests.load(), errors=_errors.load(),
+        dropped_at_exit=_dropped_at_exit.load())
 
 
 def _at_exit() -> None:

@@ -26,21 +26,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Callable
 
 from gpumem.errors import InvalidInputError
+from gpumem.integrations.manager_checks import cuda_device_index, require_host_memory
 
 if TYPE_CHECKING:
     from gpumem.manager.memory_manager import MemoryManager
 
 __all__ = ["allocator", "pinned_allocator", "use_gpumem", "GpumemCupyAllocator",
            "GpumemPinnedAllocator"]
-
-
-def _index(manager: "MemoryManager", backend: str) -> int:
-    kind, _, index = manager.device_string.partition(":")
-    if kind != backend:
-        what = "CUDA device memory" if backend == "cuda" else "pinned host memory"
-        raise InvalidInputError(f"CuPy's {what} needs a {backend!r} manager; {manager!r} is on "
-                                f"{manager.device_string!r}")
-    return int(index) if index else 0
 
 
 def _refuse_fallback(manager: "MemoryManager", buf: Any, size: int) -> None:
@@ -55,7 +47,9 @@ class GpumemCupyAllocator:
 
     def __init__(self, manager: "MemoryManager | None" = None) -> None:
         self.manager = manager
-        self._device_id = None if manager is None else _index(manager, "cuda")
+        self._device_id = (None if manager is None
+                           else cuda_device_index(manager, "CuPy's CUDA device memory needs a "
+                                                       "'cuda' manager"))
 
     def __call__(self, size: int) -> Any:
         import cupy
@@ -98,7 +92,7 @@ class GpumemPinnedAllocator:
 
     def __init__(self, manager: "MemoryManager | None" = None) -> None:
         if manager is not None:
-            _index(manager, "cpu")
+            require_host_memory(manager, "CuPy's pinned host memory needs a 'cpu' manager")
         self.manager = manager
 
     def __call__(self, size: int) -> Any:

@@ -32,7 +32,7 @@ import threading
 import weakref
 from typing import TYPE_CHECKING, Any, Iterator
 
-from gpumem.errors import InvalidInputError
+from gpumem.integrations.manager_checks import cuda_device_index
 
 if TYPE_CHECKING:
     from gpumem.manager.memory_manager import MemoryManager
@@ -42,14 +42,6 @@ __all__ = ["GpumemNumbaManager", "use_gpumem", "manager_for_device"]
 _CHOICE_LOCK = threading.Lock()
 _CHOSEN: dict[int, "MemoryManager"] = {}      # CUDA device index -> manager (use_gpumem)
 _PLUGIN_CLASS: type | None = None
-
-
-def _cuda_index(manager: "MemoryManager") -> int:
-    backend, _, index = manager.device_string.partition(":")
-    if backend != "cuda":
-        raise InvalidInputError(f"Numba's CUDA target needs a cuda manager; {manager!r} is on "
-                                f"{manager.device_string!r}")
-    return int(index)
 
 
 def manager_for_device(device_id: int) -> "MemoryManager":
@@ -67,7 +59,7 @@ def use_gpumem(manager: "MemoryManager | None" = None) -> type:
     device from ``gpumem.get_manager``) and return the plugin class. Contexts Numba has already
     created keep their memory manager: call this before the first CUDA array."""
     if manager is not None:
-        index = _cuda_index(manager)
+        index = cuda_device_index(manager, "Numba's CUDA target needs a cuda manager")
         with _CHOICE_LOCK:
             _CHOSEN[index] = manager
     from numba import cuda
@@ -152,7 +144,7 @@ def _build_plugin_class() -> type:
             mm = self.manager
             driver_free, total = mm.memory_info()
             stats = mm.stats()
-            free = min(driver_free + stats.pooled_bytes,
+            free = min(driver_free + stats.cached_bytes,
                        max(0, mm.usable_memory - stats.in_use_bytes))
             return MemoryInfo(free=free, total=total)
 

@@ -97,16 +97,16 @@ class PyOpenCLAllocator(functools.partial):
 def _default_manager() -> MemoryManager:
     """The shared manager (``gpumem.get_manager``) of the default device when that is an
     OpenCL device, else of ``opencl:0``."""
-    from gpumem.backends import default_device
+    from gpumem.backends import default_device, get_backend, parse_device
+    from gpumem.backends.opencl import BACKEND
     from gpumem.errors import InvalidDeviceError
     from gpumem.placement.shared import get_manager
     try:
         device = default_device()
-    except InvalidDeviceError:
-        device = "opencl:0"             # no default device: the first OpenCL device
-    if not device.startswith("opencl:"):
-        device = "opencl:0"
-    return get_manager(device)
+        on_opencl = get_backend(parse_device(device)[0]) is BACKEND
+    except InvalidDeviceError:          # no default device ("sim:80GiB" names no index)
+        on_opencl = False
+    return get_manager(device if on_opencl else "opencl:0")
 
 
 def allocator(manager: MemoryManager | None = None, *, stream: int = 0) -> PyOpenCLAllocator:
@@ -120,7 +120,8 @@ def allocator(manager: MemoryManager | None = None, *, stream: int = 0) -> PyOpe
     if not isinstance(manager, MemoryManager):
         raise InvalidInputError(f"manager must be a gpumem.MemoryManager or None, got "
                                 f"{type(manager).__name__}")
-    if manager.device.backend != "opencl":
+    from gpumem.backends.opencl import OpenCLDevice
+    if not isinstance(manager.device, OpenCLDevice):    # its queues and cl.Buffers
         raise InvalidInputError(f"manager is on {manager.device_string}: pyopencl arrays need "
                                 f"a manager on an OpenCL device ('opencl:N')")
     if manager.closed:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from gpumem.errors import InvalidInputError
+from gpumem.integrations.manager_checks import cuda_device_index
 
 if TYPE_CHECKING:
     from gpumem.manager.memory_manager import MemoryManager
@@ -45,20 +45,13 @@ def library_path() -> str:
     return _native().__file__
 
 
-def _cuda_index(manager: "MemoryManager") -> int:
-    backend, _, index = manager.device_string.partition(":")
-    if backend != "cuda":
-        raise InvalidInputError(f"torch tensors live on CUDA devices; manager {manager!r} is on "
-                                f"{manager.device_string!r} (pass device= to bind it anyway)")
-    return int(index)
-
-
 def bind(manager: "MemoryManager", device: int | None = None) -> None:
     """Serve torch's CUDA device ``device`` (default: the manager's own CUDA index) from
     ``manager``. Any manager can be bound to an explicit index, which is how the tests drive the
     entry points on a simulated device."""
     if device is None:
-        device = _cuda_index(manager)
+        device = cuda_device_index(manager, "torch tensors live on CUDA devices",
+                                   " (pass device= to bind it anyway)")
     _native().bind(manager, device)
 
 
@@ -92,11 +85,14 @@ def use_gpumem(manager: "MemoryManager | None" = None) -> Any:
 
 
 def counters() -> dict[str, int]:
-    """What the C entry points did in this process: ``hits`` (served without the GIL),
-    ``through_python`` (misses, first use of a stream, observers on), ``frees``/``python_frees``,
-    ``ooms``, ``fallbacks_refused`` (CPU fallback memory cannot back a CUDA tensor),
-    ``unknown_frees`` (pointers gpumem did not hand out), ``bad_frees``, ``bad_requests``,
-    ``errors``, ``dropped_at_exit``."""
+    """What the C entry points did in this process, in gpumem.stats' vocabulary
+    (docs/statistics.md): ``num_allocs`` requests served, of which ``nogil_allocs`` from the
+    pool without the GIL (pool hits) and ``through_python`` the rest (misses, first use of a
+    stream, observers on: hits or misses, see the bound manager's ``stats().pool_hits``);
+    ``num_frees`` (``nogil_frees`` + ``python_frees``), ``num_ooms``, ``fallbacks_refused``
+    (CPU fallback memory cannot back a CUDA tensor), ``unknown_frees`` (pointers gpumem did
+    not hand out), ``bad_frees``, ``bad_requests``, ``errors``, ``dropped_at_exit``. The old
+    keys ``hits``, ``frees``, ``ooms`` still read, with a DeprecationWarning."""
     return _native().counters()
 
 

@@ -1,7 +1,10 @@
-"""MemoryManager (one device) and its parts: the miss path and OOM ladder (miss_path), streams
-(stream_book), expandable segments, batches and warm-up, CPU fallback, pressure, measure().
+"""MemoryManager (one device) and its parts: segment growth (growth), the miss path and OOM
+ladder (miss_path), streams (stream_book), expandable segments, batches and warm-up, CPU
+fallback, pressure, measure().
 
-The parts take what they need from the manager through its declared attributes; none imports
-:mod:`gpumem.manager.memory_manager` except for type checking. Public names are re-exported by
-:mod:`gpumem` itself.
+The manager is composed of the parts, not mixed from them: each owns its state, reaches the
+Cython core through a CoreAccess (which holds the manager weakly) and the others through their
+declared methods (batches and expandable segments through growth.Growth); none imports
+:mod:`gpumem.manager.memory_manager` except for type checking (docs/architecture.md). Public
+names are re-exported by :mod:`gpumem` itself.
 """

@@ -2,13 +2,17 @@
 
 - :class:`BufferBatch` holds buffers and frees every one still alive when its ``with`` block ends
   (``mm.batch()`` makes one).
-- :func:`allocate_batch` allocates many buffers at once, placed in as few segments as possible:
-  what the cache can serve comes from the cache, the rest is carved from *one* new segment per
-  pool (small requests and large requests live in separate pools), asked of the driver within
-  the manager's limits. If anything fails, every buffer of the call is freed and the segments the
-  call added are returned, so the manager is as before (``mm.allocate_batch`` calls this).
-- :func:`warmup` fills the cache ahead of time so later requests of the same sizes are hits
-  (``mm.warmup`` calls this).
+- :func:`allocate_batch` (``mm.allocate_batch``) allocates many buffers at once, placed in as
+  few segments as possible: what the cache can serve comes from the cache, the rest is carved
+  from *one* new segment per pool (small requests and large requests live in separate pools),
+  asked of the driver within the manager's limits. If anything fails, every buffer of the call
+  is freed and the segments the call added are returned, so the manager is as before.
+- :func:`warmup` (``mm.warmup``) fills the cache ahead of time so later requests of the same
+  sizes are hits.
+
+The manager's methods run the work here with its parts: the miss path (the ladder, for what a
+new segment cannot hold) and its segment growth (:class:`gpumem.manager.growth.Growth`, the
+declared interface batches use); nothing here reaches into the manager itself.
 
 Example::
 
@@ -20,24 +24,35 @@ Example::
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence
 
 from gpumem._core.buffer import Buffer
+from gpumem._core.manager_base import stream_handle
 from gpumem.errors import (ClosedManagerError, DoubleFreeError, ForeignBufferError,
                            InvalidInputError)
 from gpumem.manager.fallback import FallbackBuffer
 
 if TYPE_CHECKING:
+    from gpumem.manager.growth import Growth
     from gpumem.manager.memory_manager import MemoryManager
+    from gpumem.manager.miss_path import MissPath
 
-__all__ = ["BufferBatch", "allocate_batch", "warmup"]
+__all__ = ["BufferBatch", "allocate_batch", "warmup", "allocate_in_segments", "warm_up",
+           "validated_sizes"]
 
 
-def _owner(buf: Any) -> Any:
-    """The manager a Buffer or FallbackBuffer belongs to."""
-    if isinstance(buf, FallbackBuffer):
-        return buf._manager
-    return buf.manager
+def validated_sizes(sizes: Iterable[Any], what: str = "sizes") -> list[int]:
+    """``sizes`` as ints >= 0: TypeError naming the index of a non-integer, InvalidInputError
+    for a negative one."""
+    out = []
+    for i, n in enumerate(sizes):
+        if isinstance(n, bool) or not hasattr(n, "__index__"):
+            raise TypeError(f"{what}[{i}] must be an int, got {type(n).__name__} {n!r}")
+        n = int(n)
+        if n < 0:
+            raise InvalidInputError(f"{what}[{i}] must be >= 0, got {n}")
+        out.append(n)
+    return out
 
 
 class BufferBatch:
@@ -70,7 +85,7 @@ class BufferBatch:
     def allocate(self, sizes: Iterable[int], *, stream: Any = None,
                  tag: Any = None) -> list[Buffer | FallbackBuffer]:
         """:func:`allocate_batch` on the manager; the batch holds every buffer returned."""
-        bufs = allocate_batch(self._manager, sizes, stream=stream, tag=tag)
+        bufs = self._manager.allocate_batch(sizes, stream=stream, tag=tag)
         self._buffers.extend(bufs)
         return bufs
 
@@ -79,7 +94,7 @@ class BufferBatch:
         if not isinstance(buf, (Buffer, FallbackBuffer)):
             raise TypeError(f"add() takes a gpumem Buffer or FallbackBuffer, "
                             f"got {type(buf).__name__}")
-        if _owner(buf) is not self._manager:
+        if buf.manager is not self._manager:
             raise ForeignBufferError(
                 f"buffer {buf.id} belongs to another manager than this batch's "
                 f"({self._manager.device_string})")
@@ -161,39 +176,43 @@ def allocate_batch(manager: "MemoryManager", sizes: Iterable[int], *, stream: An
     On any failure every buffer allocated by the call is freed, the segments the call added are
     returned to the driver, and the exception is re-raised.
     """
-    return _allocate(manager, sizes, stream, tag, device_only=False)
+    return manager.allocate_batch(sizes, stream=stream, tag=tag)
 
 
-def _allocate(manager: "MemoryManager", sizes: Iterable[int], stream: Any, tag: Any,
-              device_only: bool) -> list[Any]:
-    manager._check_open()
+def allocate_in_segments(miss: MissPath, malloc: Callable[..., Any] | None,
+                         sizes: Iterable[int], stream: Any, tag: Any) -> list[Any]:
+    """:func:`allocate_batch` with a manager's miss path; what no new segment holds goes
+    through ``malloc`` (the manager's, which may fall back to the CPU), or through the device
+    only when ``malloc`` is None (warm-up)."""
     if isinstance(sizes, (str, bytes)) or not hasattr(sizes, "__iter__"):
         raise TypeError(f"sizes must be an iterable of ints, got {type(sizes).__name__}")
-    nbytes = manager._validated_sizes(list(sizes))
-    s = 0 if stream is None else manager._stream_handle(stream)
+    nbytes = validated_sizes(list(sizes))
+    s = 0 if stream is None else stream_handle(stream)
     if not nbytes:
         return []
+    growth = miss.growth
     out: list[Any] = [None] * len(nbytes)
-    with manager._slow:
-        manager._check_open()
-        manager._ensure_stream(s)
-        before = set(manager.pool.live_segment_handles())
-        expandable = manager._expandable
+    with growth.lock:
+        miss.check_open()
+        miss.streams.ensure(s)
+        before = set(growth.pool.live_segment_handles())
+        expandable = growth.expandable
         mapped_before = expandable.extents() if expandable is not None else None
         try:
-            _fill(manager, nbytes, s, tag, out, device_only)
+            _fill(miss, malloc, nbytes, s, tag, out)
         except BaseException:
-            _undo(manager, out, before, mapped_before)
+            _undo(growth, out, before, mapped_before)
             raise
-        manager._update_pressure()
+        growth.reserved_changed()
     return out
 
 
-def _fill(manager: "MemoryManager", nbytes: list[int], stream: int, tag: Any, out: list[Any],
-          device_only: bool) -> None:
-    pool = manager.pool
-    usable = manager.usable_memory
-    max_split = manager.config.max_split_size
+def _fill(miss: MissPath, malloc: Callable[..., Any] | None, nbytes: list[int], stream: int,
+          tag: Any, out: list[Any]) -> None:
+    growth = miss.growth
+    pool = growth.pool
+    usable = growth.usable_memory
+    max_split = growth.config.max_split_size
     order = sorted(range(len(nbytes)), key=lambda i: nbytes[i], reverse=True)
     one_by_one = [i for i in order if nbytes[i] > usable]      # cannot fit in one segment
     # 2. the cache (and blocks of idle streams), largest first
@@ -201,9 +220,9 @@ def _fill(manager: "MemoryManager", nbytes: list[int], stream: int, tag: Any, ou
     for i in order:
         if nbytes[i] > usable:
             continue
-        buf = manager._alloc_cached(nbytes[i], stream, tag)
+        buf = growth.alloc_cached(nbytes[i], stream, tag)
         if buf is None:
-            buf = manager._from_idle_streams(nbytes[i], stream, tag)
+            buf = growth.alloc_from_idle_streams(nbytes[i], stream, tag)
         if buf is None:
             misses.append(i)
         else:
@@ -236,44 +255,42 @@ def _fill(manager: "MemoryManager", nbytes: list[int], stream: int, tag: Any, ou
         if group:
             groups.append(group)
     for group in groups:
-        one_by_one += _carve_group(manager, nbytes, group, stream, tag, out)
+        one_by_one += _carve_group(growth, nbytes, group, stream, tag, out)
     # 4. the rest through the normal ladder
     for i in sorted(one_by_one, key=lambda i: nbytes[i], reverse=True):
-        if device_only:
-            if nbytes[i] > manager.total_memory:
-                raise manager._oom_error(nbytes[i])
-            out[i] = manager._malloc_device_only(nbytes[i], stream, tag)
+        if malloc is None:
+            out[i] = miss.malloc_device_only(nbytes[i], stream, tag)
         else:
-            out[i] = manager.malloc(nbytes[i], stream=stream, tag=tag)
+            out[i] = malloc(nbytes[i], stream=stream, tag=tag)
 
 
-def _carve_group(manager: "MemoryManager", nbytes: list[int], group: list[int], stream: int,
+def _carve_group(growth: Growth, nbytes: list[int], group: list[int], stream: int,
                  tag: Any, out: list[Any]) -> list[int]:
     """Carve the requests of ``group`` (indices, largest first, all in one pool) from one new
     segment. Returns the indices left unserved (no segment could be had, or a request did not
     land in it)."""
-    pool = manager.pool
-    max_split = manager.config.max_split_size
+    pool = growth.pool
+    max_split = growth.config.max_split_size
     total = sum(pool.round_size(nbytes[i]) for i in group)
     preferred = max(total, pool.segment_size(nbytes[group[0]]))
     if max_split is not None and preferred >= max_split and total < max_split:
         preferred = total
-    seg = manager._new_segment((preferred, total),     # the full segment, else the exact sum
-                               small=pool.round_size(nbytes[group[0]]) <= pool.small_size)
+    seg = growth.new_segment((preferred, total),     # the full segment, else the exact sum
+                             small=pool.round_size(nbytes[group[0]]) <= pool.small_size)
     if seg is None:
         return list(group)
     handle, base, seg_size = seg
     first = group[0]
     try:
-        out[first] = manager._alloc_in_new_segment(handle, base, seg_size, nbytes[first], stream,
-                                                   tag)
+        out[first] = growth.alloc_in_new_segment(handle, base, seg_size, nbytes[first], stream,
+                                                 tag)
     except BaseException:
-        if handle not in manager.pool.live_segment_handles():
-            manager.device.free_segment(handle)   # the pool did not adopt it
+        if handle not in pool.live_segment_handles():
+            growth.device.free_segment(handle)    # the pool did not adopt it
         raise                             # else the caller's undo returns it
     left = []
     for i in group[1:]:
-        buf = manager._alloc_cached(nbytes[i], stream, tag)
+        buf = growth.alloc_cached(nbytes[i], stream, tag)
         if buf is None:
             left.append(i)
         else:
@@ -281,7 +298,7 @@ def _carve_group(manager: "MemoryManager", nbytes: list[int], group: list[int], 
     return left
 
 
-def _undo(manager: "MemoryManager", out: list[Any], before: set[int],
+def _undo(growth: Growth, out: list[Any], before: set[int],
           mapped_before: dict[int, int] | None = None) -> None:
     """Free the buffers of a failed call and return the segments it added (wholly free again)
     and the free pages past the extents expandable segments had before the call
@@ -293,9 +310,9 @@ def _undo(manager: "MemoryManager", out: list[Any], before: set[int],
             except Exception as exc:  # keep undoing the rest
                 warnings.warn(f"gpumem: could not free buffer {buf.id} while undoing a failed "
                               f"batch: {exc}", RuntimeWarning)
-    if mapped_before is not None and manager._expandable is not None:
-        manager._expandable.trim(floor=mapped_before)
-    pool = manager.pool
+    if mapped_before is not None and growth.expandable is not None:
+        growth.expandable.trim(floor=mapped_before)
+    pool = growth.pool
     if not (set(pool.live_segment_handles()) - before):
         return
     # Detach every wholly free segment, keep the ones that existed before the call.
@@ -305,8 +322,8 @@ def _undo(manager: "MemoryManager", out: list[Any], before: set[int],
     for d in detached:
         if d[0] in before:
             pool.restore_segment(*d)
-    manager._release_segments(ours)       # a refused free goes back to the pool, with a warning
-    manager._update_pressure()
+    growth.release_segments(ours)         # a refused free goes back to the pool, with a warning
+    growth.reserved_changed()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -324,16 +341,21 @@ def warmup(manager: "MemoryManager", sizes: Sequence[int], counts: Sequence[int]
     The cached bytes are subject to the manager's policies like any other cache: a
     ``max_pool_size`` cap, pressure responses, ``empty_cache()``.
     """
-    manager._check_open()
+    return manager.warmup(sizes, counts, stream=stream)
+
+
+def warm_up(miss: MissPath, sizes: Sequence[int], counts: Sequence[int] | int,
+            stream: Any) -> int:
+    """:func:`warmup` with a manager's miss path."""
     if isinstance(sizes, (str, bytes)) or not hasattr(sizes, "__iter__"):
         raise TypeError(f"sizes must be a sequence of ints, got {type(sizes).__name__}")
-    size_list = manager._validated_sizes(list(sizes))
+    size_list = validated_sizes(list(sizes))
     if isinstance(counts, bool):
         raise TypeError("counts must be an int or a sequence of ints, not a bool")
     if hasattr(counts, "__index__"):
-        count_list = manager._validated_sizes([counts] * len(size_list), what="counts")
+        count_list = validated_sizes([counts] * len(size_list), what="counts")
     elif hasattr(counts, "__iter__") and not isinstance(counts, (str, bytes)):
-        count_list = manager._validated_sizes(list(counts), what="counts")
+        count_list = validated_sizes(list(counts), what="counts")
         if len(count_list) != len(size_list):
             raise InvalidInputError(f"counts has {len(count_list)} entries but sizes has "
                                     f"{len(size_list)}; give one count per size or one int")
@@ -341,8 +363,9 @@ def warmup(manager: "MemoryManager", sizes: Sequence[int], counts: Sequence[int]
         raise TypeError(f"counts must be an int or a sequence of ints, "
                         f"got {type(counts).__name__}")
     flat = [n for n, c in zip(size_list, count_list) for _ in range(c)]
-    before = manager.pool.reserved_bytes
-    bufs = _allocate(manager, flat, stream, "warmup", device_only=True)
+    pool = miss.growth.pool
+    before = pool.reserved_bytes
+    bufs = allocate_in_segments(miss, None, flat, stream, "warmup")
     for buf in reversed(bufs):
         buf.free()
-    return max(0, manager.pool.reserved_bytes - before)
+    return max(0, pool.reserved_bytes - before)

@@ -18,7 +18,7 @@ whose heap holds their free block. When a stream's reservation is used up and no
 gets another reservation (another segment).
 
 Memory goes back page by page: :meth:`ExpandableSegments.trim` (empty_cache, shrink, the cache
-cap, pressure responses and the OOM ladder, through the manager's ``_release_cached``) unmaps
+cap, pressure responses and the OOM ladder, through ``SegmentGrowth.release_cached``) unmaps
 and releases every free whole page, inside segments too, after one ``device.synchronize()``; a
 segment without live blocks is detached by the pool and released whole (:meth:`release`).
 
@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 from gpumem.errors import DriverError, DriverOutOfMemory
 
 if TYPE_CHECKING:
-    from gpumem.manager.memory_manager import MemoryManager
+    from gpumem.manager.growth import Growth
 
 __all__ = ["ExpandableSegments", "STITCH_RATIO"]
 
@@ -74,9 +74,9 @@ class _Segment:
 class ExpandableSegments:
     """The expandable segments of one manager (see the module docstring)."""
 
-    def __init__(self, manager: MemoryManager) -> None:
-        self._mm = manager
-        self._dev = manager.device
+    def __init__(self, growth: Growth) -> None:
+        self._mm = growth                   # the manager's segment growth (its Growth calls)
+        self._dev = growth.device
         self.page = self._dev.vm_granularity()
         self._segments: dict[int, _Segment] = {}     # handle -> segment
         self._by_stream: dict[int, list[int]] = {}   # stream -> its segments' handles, oldest first
@@ -90,18 +90,18 @@ class ExpandableSegments:
         return handle in self._segments
 
     def mapped_bytes(self) -> int:
-        with self._mm._slow:
+        with self._mm.lock:
             return sum(len(s.pages) for s in self._segments.values()) * self.page
 
     def layout(self) -> dict[int, tuple[int, int]]:
         """``{handle: (mapped bytes, reserved bytes)}`` for snapshots and the invariant check."""
-        with self._mm._slow:
+        with self._mm.lock:
             return {h: (len(s.pages) * self.page, s.reserved) for h, s in self._segments.items()}
 
     def extents(self) -> dict[int, int]:
         """``{handle: address span in use}`` (the pool's segment size; a floor for
         :meth:`trim`)."""
-        with self._mm._slow:
+        with self._mm.lock:
             return {s["handle"]: s["size"] for s in self._mm.pool.segments()
                     if s["handle"] in self._segments}
 
@@ -111,7 +111,7 @@ class ExpandableSegments:
 
     def pages(self, handle: int) -> list[int]:
         """Offsets of the mapped pages of segment ``handle`` (tests, the invariant check)."""
-        with self._mm._slow:
+        with self._mm.lock:
             return sorted(self._segments[handle].pages)
 
     # --- growth ----------------------------------------------------------------------------------
@@ -128,13 +128,13 @@ class ExpandableSegments:
             if size and not self._map_range(seg, offset, size, keep, stream, free):
                 return None
             if at_end and size:
-                buf = mm._alloc_in_grown_segment(seg.address, size, nbytes, stream, tag)
+                buf = mm.alloc_in_grown_segment(seg.address, size, nbytes, stream, tag)
                 if buf is None:                     # a hit took the free tail: keep the pages
                     self._fill(seg, offset, size, stream)
             else:
                 if size:
                     self._fill(seg, offset, size, stream)
-                buf = mm._alloc_cached(nbytes, stream, tag)
+                buf = mm.alloc_cached(nbytes, stream, tag)
             if buf is not None:
                 return buf
         return None
@@ -188,8 +188,8 @@ class ExpandableSegments:
                 and pool.reserved_bytes + new > pool.peak_reserved_bytes):
             # past the high-water mark: idle small-pool segments go back to the device first
             # (the large pool cannot use them); release_before_grow's rule across the pools
-            self._mm._release_cached(new, reason="release before expandable growth", small=True)
-        if new and not self._mm._segment_allowed(new, pool.reserved_bytes, free):
+            self._mm.release_cached(new, reason="release before expandable growth", small=True)
+        if new and not self._mm.segment_allowed(new, pool.reserved_bytes, free):
             self._refill(sources, stream)
             return False
         loose: list[tuple[int, tuple[_Segment, int] | None]] = []    # (handle, origin)
@@ -258,7 +258,7 @@ class ExpandableSegments:
         mm = self._mm
         extra = _round_up(mm.pool.round_size(nbytes), self.page)
         free, _ = self._dev.mem_get_info()
-        if not mm._segment_allowed(extra, mm.pool.reserved_bytes, free):
+        if not mm.segment_allowed(extra, mm.pool.reserved_bytes, free):
             return None
         size = _round_up(max(mm.usable_memory, extra), self.page)
         try:
@@ -281,7 +281,7 @@ class ExpandableSegments:
                 return None
             raise
         try:
-            buf = mm._alloc_in_new_segment(address, address, extra, nbytes, stream, tag)
+            buf = mm.alloc_in_new_segment(address, address, extra, nbytes, stream, tag)
         except MemoryError:                # the pool did not adopt the segment
             self._unreserve(seg)
             raise
@@ -309,12 +309,12 @@ class ExpandableSegments:
         """Bytes :meth:`trim` would return now (no change, no driver call). Never waits: it
         runs on free() (even from a Buffer's destructor), so while another thread holds the
         manager's lock it answers 0 and a later free() enforces the cap."""
-        if not self._mm._slow.acquire(blocking=False):
+        if not self._mm.lock.acquire(blocking=False):
             return 0
         try:
             return sum(self._mm.pool.free_page_bytes(h, self.page) for h in self._segments)
         finally:
-            self._mm._slow.release()
+            self._mm.lock.release()
 
     def trim(self, max_bytes: int | None = None, *, floor: dict[int, int] | None = None) -> int:
         """Unmap and release free whole pages (inside segments too) until ``max_bytes`` are

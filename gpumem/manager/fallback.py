@@ -1,12 +1,15 @@
 """CPU fallback: host memory handed out when the device is exhausted.
 
 A manager's first fallback emits a :class:`gpumem.CpuFallbackWarning` (each one is logged);
-``malloc(..., fallback=False)`` or ``MemoryConfig(cpu_fallback_enabled=False)`` refuse it.
+``malloc(..., fallback=False)`` or ``MemoryConfig(cpu_fallback_enabled=False)`` refuse it. The
+manager's miss path (:class:`gpumem.manager.miss_path.MissPath`) makes FallbackBuffers and keeps
+their accounting; a FallbackBuffer reports back to it.
 """
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from gpumem.backends import HOST_DEVICE
 from gpumem.buffer_protocol import AnyBuffer
 from gpumem.errors import BufferInUseError, ClosedManagerError, DoubleFreeError, InvalidInputError
 
@@ -14,6 +17,7 @@ if TYPE_CHECKING:
     from gpumem._core.buffer import Buffer
     from gpumem._core.view import BufferView
     from gpumem.manager.memory_manager import MemoryManager
+    from gpumem.manager.miss_path import MissPath
 
 __all__ = ["FallbackBuffer"]
 
@@ -26,11 +30,13 @@ class FallbackBuffer(AnyBuffer):
     :meth:`migrate_to_device` moves the data onto the device once memory allows.
     """
 
-    __slots__ = ("_manager", "_host", "tag", "stream", "__weakref__")
+    __slots__ = ("_manager", "_miss", "_host", "tag", "stream", "__weakref__")
     location = "cpu"
 
-    def __init__(self, manager: "MemoryManager", host: "Buffer", stream: int, tag: Any) -> None:
+    def __init__(self, manager: "MemoryManager", miss: "MissPath", host: "Buffer", stream: int,
+                 tag: Any) -> None:
         self._manager = manager
+        self._miss = miss                 # the manager's miss path: accounting, migration
         self._host = host
         self.stream = stream
         self.tag = tag
@@ -48,7 +54,7 @@ class FallbackBuffer(AnyBuffer):
         self.__reduce_ex__(0)
 
     def _check_usable(self) -> None:
-        if self._manager._closed:
+        if self._manager.closed:
             raise ClosedManagerError(f"fallback buffer {self.id}: the manager for "
                                      f"{self._manager.device_string} is closed")
 
@@ -67,7 +73,12 @@ class FallbackBuffer(AnyBuffer):
 
     @property
     def device(self) -> str:
-        return "cpu"
+        return HOST_DEVICE
+
+    @property
+    def manager(self) -> "MemoryManager":
+        """The device's manager that handed this buffer out (not the host manager)."""
+        return self._manager
 
     @property
     def alive(self) -> bool:
@@ -120,14 +131,14 @@ class FallbackBuffer(AnyBuffer):
         self._check_usable()
         if not self._host.alive:
             raise InvalidInputError(f"fallback buffer {self.id} has been freed")
-        self._manager._check_stream(self._manager._stream_handle(stream))
+        self._miss.validate_stream(stream)
 
     def free(self) -> None:
         self._check_usable()
         if not self._host.alive:
             raise DoubleFreeError(f"fallback buffer {self.id} was already freed")
         self._check_no_views("free")
-        self._manager._fallback_released(self)
+        self._miss.fallback_released(self)
         self._host.free()
 
     def migrate_to_device(self) -> "Buffer":
@@ -138,7 +149,7 @@ class FallbackBuffer(AnyBuffer):
         if not self._host.alive:
             raise InvalidInputError(f"cannot migrate fallback buffer {self.id}: it was freed")
         self._check_no_views("migrate")
-        dev = self._manager._malloc_device_only(self.nbytes, self.stream, self.tag)
+        dev = self._miss.malloc_device_only(self.nbytes, self.stream, self.tag)
         try:
             dev.copy_from_host(self._host.copy_to_host())
         except BaseException:
@@ -158,7 +169,7 @@ class FallbackBuffer(AnyBuffer):
     def __del__(self) -> None:
         try:
             if self._host.alive:
-                self._manager._fallback_released(self)
+                self._miss.fallback_released(self)
         except Exception:
             pass  # the host Buffer returns its own block when collected
 

@@ -4,20 +4,22 @@ Example::
 
     with mm.measure() as m:
         step(model, batch)
-    print(m.stats.allocations, m.stats.hits, m.stats.misses, m.stats.peak_in_use_bytes)
+    print(m.stats.num_allocs, m.stats.pool_hits, m.stats.pool_misses, m.stats.peak_in_use_bytes)
     print(m.stats)           # one line a person reads
 
 ``m.stats`` (a :class:`MeasuredStats`, set when the block exits, also after an exception)
-holds the changes of the manager's counters inside the block -- allocations, frees, hits,
-misses, segments, CPU fallbacks, OOMs, the net change of in-use and reserved bytes -- and the
-peak in-use and reserved bytes *within* the block. The counters are the manager's, so work of
+holds the changes of the manager's counters inside the block -- ``num_allocs``, ``num_frees``,
+``pool_hits``, ``pool_misses``, segments, CPU fallbacks, ``num_ooms``, the net change of in-use
+and reserved bytes -- and the peak in-use and reserved bytes *within* the block (the names of
+gpumem.stats' vocabulary; the old ``allocations``/``frees``/``hits``/``misses``/``ooms`` still
+read, with a DeprecationWarning). The counters are the manager's, so work of
 other threads on the same manager during the block is counted too.
 
 The peak of a block costs nothing on the hot path: entering a block resets the pool's peak
-counters (C atomics) after folding their values into :class:`PeakWindows`, which keeps the
-manager's peaks since creation / ``reset_peak_stats()`` as a floor (``stats()`` reports the
-larger), and the peaks so far of every block still open, so blocks may nest or overlap across
-threads. The one approximation: a peak that another thread reaches *and leaves* in the instant
+counters (C atomics) after folding their values into :class:`PeakWindows` (a part of the
+manager), which keeps the manager's peaks since creation / ``reset_peak_stats()`` as a floor
+(``stats()`` reports the larger), and the peaks so far of every block still open, so blocks may
+nest or overlap across threads. The one approximation: a peak that another thread reaches *and leaves* in the instant
 between reading the counters and resetting them, as a block is entered, is not seen.
 
 Thread safety: a manager's :class:`PeakWindows` (its open blocks and its floor) is owned by that
@@ -31,13 +33,15 @@ import time
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from gpumem.errors import InvalidInputError
+from gpumem.errors import ClosedManagerError, InvalidInputError
+from gpumem.stats import DeprecatedName, StatsDict, deprecated_names
 from gpumem.units import format_bytes
 
 if TYPE_CHECKING:
     from gpumem.manager.memory_manager import MemoryManager
+    from gpumem.manager.miss_path import MissPath
 
-__all__ = ["Measurement", "MeasuredStats", "PeakWindows", "manager_peaks"]
+__all__ = ["Measurement", "MeasuredStats", "PeakWindows"]
 
 
 @dataclass(frozen=True)
@@ -45,37 +49,49 @@ class MeasuredStats:
     """What changed on one manager inside a ``measure()`` block."""
 
     device: str
-    allocations: int                # device allocations served (from the cache or new segments)
-    frees: int
-    hits: int                       # served from the cache
-    misses: int                     # needed a new segment (or failed)
+    num_allocs: int                 # device allocations served (from the cache or new segments)
+    num_frees: int
+    pool_hits: int                  # served from the cache
+    pool_misses: int                # needed a new segment or expandable growth
     segments_created: int
     segments_released: int
     cpu_fallbacks: int
-    ooms: int
+    num_ooms: int
     in_use_bytes_change: int        # net: bytes in use at exit minus at entry
     reserved_bytes_change: int      # net: bytes held from the device at exit minus at entry
     peak_in_use_bytes: int          # the most bytes in use at any moment inside the block
     peak_reserved_bytes: int        # the most bytes held from the device inside the block
     seconds: float
 
+    allocations = DeprecatedName("num_allocs")
+    frees = DeprecatedName("num_frees")
+    hits = DeprecatedName("pool_hits")
+    misses = DeprecatedName("pool_misses")
+    ooms = DeprecatedName("num_ooms")
+
     def hit_rate(self) -> float:
         """Share of the block's allocations served from the cache (0.0 when none)."""
-        return self.hits / self.allocations if self.allocations else 0.0
+        return self.pool_hits / self.num_allocs if self.num_allocs else 0.0
 
-    def as_dict(self) -> dict:
-        d = asdict(self)
+    def as_dict(self) -> StatsDict:
+        d = MeasuredStatsDict(asdict(self))
         d["hit_rate"] = self.hit_rate()
         return d
 
     def __str__(self) -> str:
         fb = format_bytes
-        return (f"{self.device}: {self.allocations} allocations ({self.hits} hits, "
-                f"{self.misses} misses), {self.frees} frees, segments +{self.segments_created}"
-                f"/-{self.segments_released}, in use {self.in_use_bytes_change:+,d} B, reserved "
-                f"{self.reserved_bytes_change:+,d} B, peak in use {fb(self.peak_in_use_bytes)}, "
-                f"peak reserved {fb(self.peak_reserved_bytes)}, CPU fallbacks "
-                f"{self.cpu_fallbacks}, OOMs {self.ooms}, {self.seconds * 1e3:.3f} ms")
+        return (f"{self.device}: {self.num_allocs} allocations ({self.pool_hits} hits, "
+                f"{self.pool_misses} misses), {self.num_frees} frees, segments "
+                f"+{self.segments_created}/-{self.segments_released}, in use "
+                f"{self.in_use_bytes_change:+,d} B, reserved {self.reserved_bytes_change:+,d} B, "
+                f"peak in use {fb(self.peak_in_use_bytes)}, peak reserved "
+                f"{fb(self.peak_reserved_bytes)}, CPU fallbacks {self.cpu_fallbacks}, OOMs "
+                f"{self.num_ooms}, {self.seconds * 1e3:.3f} ms")
+
+
+class MeasuredStatsDict(StatsDict):
+    what = "MeasuredStats.as_dict()"
+    renamed = deprecated_names(MeasuredStats)
 
 
 class _Window:
@@ -91,8 +107,8 @@ class _Window:
 
 
 class PeakWindows:
-    """A manager's peak bookkeeping once ``measure()`` has been used: the pool's C peak counters
-    hold the peaks since the latest reset; ``floor`` holds what earlier resets folded away."""
+    """A manager's peak bookkeeping: the pool's C peak counters hold the peaks since the latest
+    reset; ``floor`` holds what earlier resets (entering a ``measure()`` block) folded away."""
 
     def __init__(self, pool: Any) -> None:
         self._pool = pool
@@ -138,41 +154,28 @@ class PeakWindows:
             self._pool.reset_peaks()
 
 
-def manager_peaks(manager: MemoryManager, counters: dict) -> tuple[int, int]:
-    """``(peak in use, peak reserved)`` of ``manager`` since creation / reset_peak_stats(),
-    from its pool ``counters()``: what every reader of a manager's peaks must use, because
-    measure() blocks reset the pool's own peak counters."""
-    in_use, reserved = counters["peak_in_use_bytes"], counters["peak_reserved_bytes"]
-    windows = manager._peak_windows
-    return (in_use, reserved) if windows is None else windows.peaks(in_use, reserved)
-
-
 class Measurement:
     """The context manager :meth:`MemoryManager.measure` returns; ``stats`` is None until the
-    block exits. One Measurement measures one block (entering it twice is an error)."""
+    block exits. One Measurement measures one block (entering it twice is an error).
+    ``peaks``: the manager's PeakWindows; ``miss``: its miss path (fallback and OOM counts)."""
 
-    def __init__(self, manager: MemoryManager) -> None:
+    def __init__(self, manager: MemoryManager, peaks: PeakWindows, miss: MissPath) -> None:
         self._manager = manager
+        self._windows = peaks
+        self._miss = miss
         self.stats: MeasuredStats | None = None
         self._window: _Window | None = None
         self._before: tuple[dict, int, int, float] | None = None
-
-    def _peaks(self) -> PeakWindows:
-        mgr = self._manager
-        with mgr._slow:                           # made once per manager, by one thread
-            if mgr._peak_windows is None:
-                mgr._peak_windows = PeakWindows(mgr.pool)
-            return mgr._peak_windows
 
     def __enter__(self) -> "Measurement":
         if self._before is not None:
             raise InvalidInputError("this Measurement was entered already; call "
                                     "manager.measure() again for another block")
-        self._manager._check_open()
-        windows = self._peaks()
-        self._window = windows.open()
         mgr = self._manager
-        self._before = (mgr.pool.counters(), mgr._cpu_fallbacks, mgr._num_ooms,
+        if mgr.closed:
+            raise ClosedManagerError(f"the manager for {mgr.device_string} is closed")
+        self._window = self._windows.open()
+        self._before = (mgr.pool.counters(), self._miss.cpu_fallbacks, self._miss.num_ooms,
                         time.perf_counter())
         return self
 
@@ -182,15 +185,17 @@ class Measurement:
         mgr = self._manager
         before, fallbacks, ooms, start = self._before
         after = mgr.pool.counters()
-        peak_in_use, peak_reserved = self._peaks().close(self._window)
-        d = {k: after[k] - before[k] for k in ("num_allocs", "num_frees", "hits", "misses",
-                                               "segments_created", "segments_released",
-                                               "in_use_bytes", "reserved_bytes")}
+        peak_in_use, peak_reserved = self._windows.close(self._window)
+        d = {k: after[k] - before[k] for k in ("num_allocs", "num_frees", "pool_hits",
+                                               "pool_misses", "segments_created",
+                                               "segments_released", "in_use_bytes",
+                                               "reserved_bytes")}
         self.stats = MeasuredStats(
-            device=mgr.device_string, allocations=d["num_allocs"],
-            frees=d["num_frees"], hits=d["hits"], misses=d["misses"],
+            device=mgr.device_string, num_allocs=d["num_allocs"], num_frees=d["num_frees"],
+            pool_hits=d["pool_hits"], pool_misses=d["pool_misses"],
             segments_created=d["segments_created"], segments_released=d["segments_released"],
-            cpu_fallbacks=mgr._cpu_fallbacks - fallbacks, ooms=mgr._num_ooms - ooms,
+            cpu_fallbacks=self._miss.cpu_fallbacks - fallbacks,
+            num_ooms=self._miss.num_ooms - ooms,
             in_use_bytes_change=d["in_use_bytes"], reserved_bytes_change=d["reserved_bytes"],
             peak_in_use_bytes=peak_in_use, peak_reserved_bytes=peak_reserved,
             seconds=end - start)

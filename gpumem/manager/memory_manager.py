@@ -1,18 +1,28 @@
 """MemoryManager: one device, one caching pool, and everything around the hot path.
 
-The hot path (a cache hit, a free) is `ManagerCore.malloc/free` in Cython. This module holds
-the manager's state, limits, cache control, statistics, pressure responses and the hooks
-tracking and history recording attach to; the miss path (the OOM ladder, segments, CPU
-fallback) is `gpumem.manager.miss_path.MissPath` and stream bookkeeping `gpumem.manager.stream_book.StreamBook`,
-both mixed into MemoryManager.
+The hot path (a cache hit, a free) is `ManagerCore.malloc/free` in Cython. A MemoryManager is
+composed of parts, each owning its state and reached through its declared methods:
+
+- ``_streams`` (:class:`~gpumem.manager.stream_book.StreamBook`): the streams the pool serves;
+- ``_growth`` (:class:`~gpumem.manager.growth.SegmentGrowth`): segments from the driver and
+  back, plain and expandable, for misses and batches, and the cache cap;
+- ``_pressure`` (:class:`~gpumem.manager.pressure.PressureWatch`): the pressure level and its
+  responses;
+- ``_miss`` (:class:`~gpumem.manager.miss_path.MissPath`): the OOM ladder and CPU fallback; the
+  Cython core calls it off the hot path (its slow path).
+
+The parts reach the core through a ``CoreAccess`` that holds the manager weakly, so no part
+keeps its manager alive. This module holds the public API, limits, statistics and the
+bookkeeping tracking and history recording attach to.
 
 Thread safety (the whole contract: docs/concurrency.md): every public method may be called from
-any thread. ``_slow`` (an RLock, owned by the manager) serialises the miss path, stream
-bookkeeping and close(); the hot path takes only the pool's C lock. Destroyed streams are
-learnt from the device's listener and refused from then on.
+any thread. ``_slow`` (an RLock, owned by the manager, shared with its parts as their ``lock``)
+serialises the miss path, stream bookkeeping, segment growth and close(); the hot path takes
+only the pool's C lock. Destroyed streams are learnt from the device's listener and refused
+from then on.
 
 Tracking and history recording keep per-buffer state only for tagged buffers: ``_tags`` (id ->
-tag, owned by the manager) gets one dict store from the alloc path under the GIL, and
+tag, owned by the manager) gets one dict store from the alloc path under the GIL, and the core's
 ``_prune_tags`` only deletes ids of freed buffers, so a store racing it is never lost. The list
 of running recorders (``_recorders``) is guarded by ``_slow``; the address log (``_wrap``'s C
 stores) is written and replaced only with the GIL held.
@@ -23,27 +33,30 @@ import concurrent.futures
 import logging
 import threading
 import warnings
+import weakref
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
-from gpumem._core.buffer import Buffer, ManagerCore
+from gpumem._core.buffer import Buffer
+from gpumem._core.manager_core import ManagerCore
 from gpumem._core.pool import CachingPool
-from gpumem.placement import peers
-from gpumem.backends import Device, default_device, open_device
+from gpumem.backends import HOST_DEVICE, Device, default_device, open_device
 from gpumem.config import MAX_BYTES, MemoryConfig
-from gpumem.errors import ClosedManagerError, ForeignBufferError, InvalidInputError
-from gpumem.manager.expandable import ExpandableSegments
-from gpumem.manager.fallback import FallbackBuffer
-from gpumem.manager.measure import manager_peaks
+from gpumem.errors import ClosedManagerError, InvalidInputError
+from gpumem.manager.growth import SegmentGrowth
+from gpumem.manager.measure import PeakWindows
 from gpumem.manager.miss_path import MissPath
-from gpumem.manager.pressure import MemoryPressure, PressureCallback, pressure_level
-from gpumem.stats import MemoryStats
+from gpumem.manager.pressure import MemoryPressure, PressureCallback, PressureWatch
 from gpumem.manager.stream_book import StreamBook
+from gpumem.placement import peers
+from gpumem.stats import MemoryStats
 from gpumem.units import format_bytes, parse_size
 
 if TYPE_CHECKING:
     from gpumem.manager.batch import BufferBatch
+    from gpumem.manager.expandable import ExpandableSegments
+    from gpumem.manager.fallback import FallbackBuffer
+    from gpumem.manager.measure import Measurement
     from gpumem.observe.history import HistoryRecorder
-    from gpumem.manager.measure import Measurement, PeakWindows
 
 __all__ = ["MemoryManager", "OomCallback"]
 
@@ -74,7 +87,35 @@ def _byte_count(value: Any, what: str) -> int:
     return value
 
 
-class MemoryManager(StreamBook, MissPath, ManagerCore):
+def _add_callback(callbacks: list, callback: Any, usage: str) -> Any:
+    """Append a callable to a part's list (InvalidInputError saying `usage` otherwise)."""
+    if not callable(callback):
+        raise InvalidInputError(usage)
+    callbacks.append(callback)
+    return callback
+
+
+#: the CPU-fallback host manager's config: no fallback of its own, no tracker, all the memory
+_HOST_CONFIG = dict(cpu_fallback_enabled=False, min_free_bytes=0, track_allocations=False,
+                    gpu_memory_fraction=1.0)
+
+
+def _host_maker(parent: "MemoryManager") -> Callable[[], "MemoryManager"]:
+    """What the miss path calls on a manager's first CPU fallback: the host manager, keeping
+    tags if the parent's tracker wants them. Holds the parent weakly (a part never keeps its
+    manager alive)."""
+    ref = weakref.ref(parent)
+
+    def make() -> "MemoryManager":
+        host = MemoryManager(HOST_DEVICE, MemoryConfig(**_HOST_CONFIG))
+        owner = ref()
+        if owner is not None:
+            owner._keep_buffer_state(host)      # the tracker wants its tags too
+        return host
+    return make
+
+
+class MemoryManager(ManagerCore):
     """Allocates device memory through a caching pool.
 
     >>> mm = MemoryManager("sim:0")
@@ -121,33 +162,25 @@ class MemoryManager(StreamBook, MissPath, ManagerCore):
         reserve = config.reserve_bytes
         if reserve is None:
             reserve = dev.recommended_reserve(total)
-        self.usable_memory = max(0, min(int(total * config.gpu_memory_fraction), total - reserve))
-        self._max_pool_size = config.max_pool_size
-        self._set_limits(self.usable_memory, config.max_pool_size)
+        usable = max(0, min(int(total * config.gpu_memory_fraction), total - reserve))
+        self._set_limits(usable, config.max_pool_size)
         self._slow = threading.RLock()
-        self._oom_callbacks: list[OomCallback] = []
-        self._pressure_callbacks: list[PressureCallback] = []
-        self._pressure = MemoryPressure.LOW
-        self._observers: list[Any] = []
         self._recorders: list[HistoryRecorder] = []    # running; guarded by _slow
         self._history_before_recording: int | None = None
         self._tags = None
         self._tags_limit = 4096
         self._address_capacity = 0
-        self._num_ooms = 0
-        self._cpu_fallbacks = 0
-        self._fallback_bytes = 0
-        self._fallback_live = 0
-        self._host: MemoryManager | None = None
-        self._streams: set[int] = {0}
-        # destroyed streams whose pending work may not have finished yet: their cached blocks go
-        # to other streams only after a synchronize (guarded by _slow)
-        self._unsynced_dead: set[int] = set()
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
-        self._frag_warned = False
-        self._peak_windows: PeakWindows | None = None     # made by the first measure()
-        self._expandable = ExpandableSegments(self) if expandable else None
-        self._fallback_warned = False             # the first fallback warns (CpuFallbackWarning)
+        self._peaks = PeakWindows(pool)     # the manager's peaks across measure() blocks
+        # the parts (see the module docstring); they hold the core weakly
+        core = self._core_access()
+        self._streams = StreamBook(core, pool, dev, self._slow)
+        self._pressure = PressureWatch(pool, config, usable, dev.device_string)
+        self._growth = SegmentGrowth(core, pool, dev, config, usable, self._slow,
+                                     self._streams, self._pressure, expandable=expandable)
+        self._miss = MissPath(core, self._growth, self._streams, config, total,
+                              _host_maker(self), self._recorders)
+        self._set_slow_path(self._miss)
         self.tracker = None
         if config.track_allocations:
             from gpumem.observe.tracking import AllocationTracker
@@ -156,7 +189,7 @@ class MemoryManager(StreamBook, MissPath, ManagerCore):
                 self._keep_buffer_state()       # tags only: the pool knows the rest
             else:
                 self.add_observer(self.tracker)   # stacks: captured per buffer
-        dev.add_stream_listener(self._on_stream_destroyed)
+        dev.add_stream_listener(self._streams.on_stream_destroyed)
         peers.register(self)
 
     # --- properties -----------------------------------------------------------------------
@@ -164,6 +197,32 @@ class MemoryManager(StreamBook, MissPath, ManagerCore):
     def closed(self) -> bool:
         """True once :meth:`close` has run."""
         return self._closed
+
+    @property
+    def usable_memory(self) -> int:
+        """The most bytes the pool may hold from the device: ``min(total *
+        gpu_memory_fraction, total - reserve)``."""
+        return self._growth.usable_memory
+
+    @usable_memory.setter
+    def usable_memory(self, nbytes: int) -> None:
+        # tests narrow it to reach a limit; growth and pressure read the one value
+        self._growth.usable_memory = self._pressure.usable_memory = nbytes
+
+    @property
+    def expandable_segments(self) -> ExpandableSegments | None:
+        """The manager's expandable segments (``MemoryConfig.expandable_segments`` on a device
+        with virtual memory), None when it uses plain segments."""
+        return self._growth.expandable
+
+    # tests and tools written before the manager was composed read this name
+    _expandable = expandable_segments
+
+    @property
+    def fallback_manager(self) -> MemoryManager | None:
+        """The host-memory manager serving this manager's CPU fallbacks; None before the
+        first fallback."""
+        return self._miss.host
 
     def memory_info(self) -> tuple[int, int]:
         """``(free, total)`` bytes of the device, from the driver."""
@@ -187,8 +246,7 @@ class MemoryManager(StreamBook, MissPath, ManagerCore):
         if not (callable(getattr(observer, "on_alloc", None))
                 and callable(getattr(observer, "on_free", None))):
             raise InvalidInputError("an observer needs on_alloc(buf) and on_free(buf) methods")
-        self._observers.append(observer)
-        self._hooks = True
+        self._set_observers(self._observers + (observer,))
         self._via_python = True
 
     def remove_observer(self, observer: Any) -> None:
@@ -196,8 +254,9 @@ class MemoryManager(StreamBook, MissPath, ManagerCore):
         it is not registered."""
         if observer not in self._observers:
             raise InvalidInputError(f"{observer!r} is not an observer of this manager")
-        self._observers.remove(observer)
-        self._hooks = bool(self._observers)
+        observers = list(self._observers)
+        observers.remove(observer)
+        self._set_observers(observers)
         self._via_python = self._hooks or self._tags is not None
 
     # --- per-buffer state for history and tracking (no Python on the hot path) ---------------
@@ -227,87 +286,46 @@ class MemoryManager(StreamBook, MissPath, ManagerCore):
                 self._history_before_recording = None
             self._keep_buffer_state()
 
-    def _keep_buffer_state(self) -> None:
+    def _keep_buffer_state(self, host: MemoryManager | None = None) -> None:
         """Keep tags while a recorder runs or the tracker reads the pool (the CPU-fallback
-        host manager's for the tracker), and addresses while a recorder runs; _slow held."""
+        host manager's for the tracker: ``host``, or the one made already), and addresses while
+        a recorder runs; _slow held."""
         tracked = self.tracker is not None and self.tracker.reads_pool
-        for mm, want_tags in ((self, tracked or bool(self._recorders)), (self._host, tracked)):
+        host = host if host is not None else self._miss.host
+        for mm, want_tags in ((self, tracked or bool(self._recorders)), (host, tracked)):
             if mm is not None and want_tags != (mm._tags is not None):
                 mm._tags = {} if want_tags else None
                 # the torch allocator's nogil path cannot tag its buffers: send it through malloc
                 mm._via_python = mm._hooks or want_tags
         addresses = max((r.max_entries for r in self._recorders), default=0)
+        # the newest tags a running recorder may still show survive pruning
+        self._tags_keep = addresses
         if addresses > self._address_capacity or not addresses:
             self._set_address_log(addresses)
             self._address_capacity = addresses
 
-    def _note_fallback(self, buf: Any, op: str) -> None:
-        """A CPU-fallback buffer was allocated (op "a") or freed ("f"): tell the recorders
-        (the slow path; device buffers are in the pool's history)."""
-        for recorder in list(self._recorders):
-            recorder._note_fallback(buf, op)
-
-    def _prune_tags(self) -> None:
-        """``_tags`` outgrew its limit (called by the alloc path, rarely): forget the tags of
-        freed buffers, except the newest ones a running recorder may still show."""
-        tags = self._tags
-        if tags is None:
-            return
-        newest = max((r.max_entries for r in self._recorders), default=0)
-        ids = list(tags)
-        old = ids[:max(0, len(ids) - newest)]
-        if old:
-            live = self._live_ids()
-            for bid in old:
-                if bid not in live:
-                    tags.pop(bid, None)
-        self._tags_limit = 2 * len(tags) + 4096
-
-    def _live_ids(self) -> set[int]:
-        """Ids of the pool's live blocks (frees waiting for other streams included)."""
-        return {b["id"] for seg in self.pool.segments() for b in seg["blocks"]
-                if b["state"] == "allocated"}
-
-    def _on_alloc(self, buf: Buffer) -> None:
-        for obs in self._observers:
-            obs.on_alloc(buf)
-
-    def _on_free(self, buf: Buffer) -> None:
-        for obs in self._observers:
-            obs.on_free(buf)
-
     def on_oom(self, callback: OomCallback) -> OomCallback:
         """Register ``callback(manager, nbytes)``, run when a request cannot be served; it
         may free buffers, and the request is retried once after all callbacks ran."""
-        if not callable(callback):
-            raise InvalidInputError("on_oom takes a callable(manager, nbytes)")
-        self._oom_callbacks.append(callback)
-        return callback
-
-    def _free_other(self, buffer: Any) -> None:
-        if isinstance(buffer, FallbackBuffer):
-            if buffer._manager is not self:
-                raise ForeignBufferError(f"fallback buffer {buffer.id} belongs to another manager")
-            buffer.free()
-            return
-        raise TypeError(f"free() takes a gpumem Buffer, got {type(buffer).__name__}")
+        return _add_callback(self._miss.oom_callbacks, callback, "on_oom takes a "
+                             "callable(manager, nbytes)")
 
     # --- cache control ------------------------------------------------------------------------------
     def empty_cache(self) -> int:
         """Return every wholly free cached segment to the driver; the bytes returned."""
         self._check_open()
         self.collect_pending_frees()
-        return self._release_cached(reason="empty_cache")
+        return self._growth.release_cached(reason="empty_cache")
 
     def shrink(self, target_cached_bytes: int | str = 0) -> int:
         """Release wholly free segments until at most target bytes (an int or a size string
         such as ``"256MiB"``) stay cached; the bytes released."""
         self._check_open()
         target_cached_bytes = _byte_count(target_cached_bytes, "target_cached_bytes")
-        pooled = self.pool.reserved_bytes - self.pool.in_use_bytes
-        if pooled <= target_cached_bytes:
+        cached = self.pool.reserved_bytes - self.pool.in_use_bytes
+        if cached <= target_cached_bytes:
             return 0
-        return self._release_cached(pooled - target_cached_bytes, reason="shrink")
+        return self._growth.release_cached(cached - target_cached_bytes, reason="shrink")
 
     def set_max_pool_size(self, nbytes: int | str | None) -> None:
         """Cap the cached (free) bytes at `nbytes` (an int or a size string such as ``"1GiB"``);
@@ -315,17 +333,19 @@ class MemoryManager(StreamBook, MissPath, ManagerCore):
         nothing."""
         if nbytes is not None:
             nbytes = _byte_count(nbytes, "max_pool_size")
-        self._max_pool_size = nbytes
+        self._growth.max_pool_size = nbytes
         self._set_limits(self.usable_memory, nbytes)
-        self._trim_cache()
+        self._growth.trim_cache()
+
+    @property
+    def _max_pool_size(self) -> int | None:
+        # the torch allocator reads the cap (gpumem/integrations/_torch_alloc.pyx)
+        return self._growth.max_pool_size
 
     def reset_peak_stats(self) -> None:
-        """Start the peak counters (``peak_bytes``, ``peak_reserved_bytes`` in :meth:`stats`)
+        """Start the peak counters (``peak_in_use_bytes``, ``peak_reserved_bytes`` in :meth:`stats`)
         again from the current in-use and reserved bytes (open measure() blocks keep theirs)."""
-        if self._peak_windows is not None:
-            self._peak_windows.reset()
-        else:
-            self.pool.reset_peaks()
+        self._peaks.reset()
 
     # --- statistics ----------------------------------------------------------------------------------
     def stats(self) -> MemoryStats:
@@ -334,100 +354,76 @@ class MemoryManager(StreamBook, MissPath, ManagerCore):
         After close() the manager holds nothing, and the held figures say 0."""
         c = self.pool.counters(consistent=True)
         # measure() blocks reset the pool's peak counters: the manager's peaks come from here
-        c["peak_in_use_bytes"], c["peak_reserved_bytes"] = manager_peaks(self, c)
+        c["peak_in_use_bytes"], c["peak_reserved_bytes"] = self._peaks.peaks(
+            c["peak_in_use_bytes"], c["peak_reserved_bytes"])
         if self._closed:
-            for held in ("reserved_bytes", "in_use_bytes", "requested_bytes", "active_blocks",
-                         "num_segments", "largest_free_block"):
+            for held in ("reserved_bytes", "in_use_bytes", "cached_bytes", "requested_bytes",
+                         "active_blocks", "num_segments", "largest_free_block"):
                 c[held] = 0
         return MemoryStats(
             device=self.device_string,
-            total_allocated_bytes=c["reserved_bytes"],
+            reserved_bytes=c["reserved_bytes"],
             in_use_bytes=c["in_use_bytes"],
             requested_bytes=c["requested_bytes"],
-            pooled_bytes=c["reserved_bytes"] - c["in_use_bytes"],
-            peak_bytes=c["peak_in_use_bytes"],
+            cached_bytes=c["cached_bytes"],
+            peak_in_use_bytes=c["peak_in_use_bytes"],
             peak_reserved_bytes=c["peak_reserved_bytes"],
             largest_free_block=c["largest_free_block"],
-            pool_hits=c["hits"],
-            pool_misses=c["misses"],
-            cpu_fallbacks=self._cpu_fallbacks,
-            fallback_bytes=self._fallback_bytes,
+            pool_hits=c["pool_hits"],
+            pool_misses=c["pool_misses"],
+            cpu_fallbacks=self._miss.cpu_fallbacks,
+            fallback_bytes=self._miss.fallback_bytes,
             active_buffers=(0 if self._closed else
-                            c["active_blocks"] - self.pending_free_count + self._fallback_live),
+                            c["active_blocks"] - self.pending_free_count
+                            + self._miss.fallback_live),
             num_allocs=c["num_allocs"],
             num_frees=c["num_frees"],
             num_segments=c["num_segments"],
             segments_created=c["segments_created"],
             segments_released=c["segments_released"],
-            num_ooms=self._num_ooms,
+            num_ooms=self._miss.num_ooms,
             pending_free_bytes=0 if self._closed else self.pending_free_bytes,
         )
 
     # --- pressure ----------------------------------------------------------------------------------
     def pressure_ratio(self) -> float:
         """Bytes held from the device over usable memory, in [0, 1]."""
-        if self.usable_memory == 0:
-            return 1.0
-        return min(1.0, self.pool.reserved_bytes / self.usable_memory)
+        return self._pressure.ratio()
 
     def pressure(self) -> MemoryPressure:
         """The pressure level (LOW, MEDIUM, HIGH, CRITICAL) of :meth:`pressure_ratio` against
         ``config.pressure_thresholds``."""
-        return pressure_level(self.pressure_ratio(), self.config.pressure_thresholds)
+        return self._pressure.current()
 
     def on_pressure(self, callback: PressureCallback) -> PressureCallback:
         """Register ``callback(old_level, new_level, ratio)``, called on each level change."""
-        if not callable(callback):
-            raise InvalidInputError("on_pressure takes a callable(old, new, ratio)")
-        self._pressure_callbacks.append(callback)
-        return callback
-
-    def _update_pressure(self) -> None:
-        level = self.pressure()
-        if level == self._pressure:
-            return
-        old, self._pressure = self._pressure, level
-        ratio = self.pressure_ratio()
-        log.debug("%s pressure %s -> %s (%.1f%%)", self.device_string, old.name, level.name,
-                  100 * ratio)
-        for callback in list(self._pressure_callbacks):
-            try:
-                callback(old, level, ratio)
-            except Exception as exc:  # an observer must not fail the allocation it observes
-                warnings.warn(f"gpumem: pressure observer {callback!r} raised {exc!r}",
-                              RuntimeWarning)
-        if level > old:
-            self._respond_to_pressure(level)
-
-    def _respond_to_pressure(self, level: MemoryPressure) -> None:
-        if level >= MemoryPressure.CRITICAL and self.config.auto_cleanup_at_critical:
-            self.emergency_cleanup()
-        elif level >= MemoryPressure.HIGH and self.config.auto_release_at_high:
-            keep = int(self.config.high_cache_fraction * self.usable_memory)
-            pooled = self.pool.reserved_bytes - self.pool.in_use_bytes
-            if pooled > keep:
-                self._release_cached(pooled - keep, reason="HIGH pressure")
+        return _add_callback(self._pressure.callbacks, callback, "on_pressure takes a "
+                             "callable(old, new, ratio)")
 
     def emergency_cleanup(self) -> int:
         """Release every wholly free segment now (the CRITICAL response); bytes released."""
         self._check_open()
-        return self._release_cached(reason="emergency cleanup")
+        return self._growth.release_cached(reason="emergency cleanup")
+
+    def _oom_error(self, nbytes: int) -> Exception:
+        # the CuPy and Numba bridges raise it for a request only host memory could serve
+        return self._miss.oom_error(nbytes)
+
+    def release_idle_cache(self, reason: str = "") -> int:
+        """Release every wholly free cached segment now, unless this manager is busy in its
+        slow path (a miss, close()): then 0 at once, it never waits (a peer manager out of
+        memory on the same device asks this). The bytes released; 0 once closed."""
+        if not self._slow.acquire(blocking=False):
+            return 0
+        try:
+            return 0 if self._closed else self._growth.release_cached(reason=reason)
+        finally:
+            self._slow.release()
 
     # --- RAII helpers and batches -----------------------------------------------------------------
     def _check_open(self) -> None:
         if self._closed:
             raise ClosedManagerError(f"the manager for {self.device_string} is closed")
-
-    def _validated_sizes(self, sizes: Iterable[int], what: str = "sizes") -> list[int]:
-        out = []
-        for i, n in enumerate(sizes):
-            if isinstance(n, bool) or not hasattr(n, "__index__"):
-                raise TypeError(f"{what}[{i}] must be an int, got {type(n).__name__} {n!r}")
-            n = int(n)
-            if n < 0:
-                raise InvalidInputError(f"{what}[{i}] must be >= 0, got {n}")
-            out.append(n)
-        return out
 
     def batch(self) -> "BufferBatch":
         """A BufferBatch: buffers allocated through it are all freed when the block exits."""
@@ -436,15 +432,20 @@ class MemoryManager(StreamBook, MissPath, ManagerCore):
         return BufferBatch(self)
 
     def allocate_batch(self, sizes: Iterable[int], *, stream: int | None = None,
-                       tag: Any = None) -> list[Buffer]:
-        """Allocate many buffers at once, placed in as few segments as possible."""
-        from gpumem.manager.batch import allocate_batch
-        return allocate_batch(self, sizes, stream=stream, tag=tag)
+                       tag: Any = None) -> list[Buffer | FallbackBuffer]:
+        """Allocate many buffers at once, placed in as few segments as possible (see
+        gpumem.manager.batch.allocate_batch)."""
+        from gpumem.manager.batch import allocate_in_segments
+        self._check_open()
+        return allocate_in_segments(self._miss, self.malloc, sizes, stream, tag)
 
-    def warmup(self, sizes: Sequence[int], counts: Sequence[int] | int = 1) -> int:
-        """Pre-populate the cache so later requests of these sizes are hits; bytes reserved."""
-        from gpumem.manager.batch import warmup
-        return warmup(self, sizes, counts)
+    def warmup(self, sizes: Sequence[int], counts: Sequence[int] | int = 1, *,
+               stream: Any = None) -> int:
+        """Pre-populate the cache so later requests of these sizes are hits; bytes reserved
+        (see gpumem.manager.batch.warmup)."""
+        from gpumem.manager.batch import warm_up
+        self._check_open()
+        return warm_up(self._miss, sizes, counts, stream)
 
     def malloc_async(self, nbytes: int, *, stream: int | None = None,
                      tag: Any = None) -> "concurrent.futures.Future[Buffer]":
@@ -463,10 +464,17 @@ class MemoryManager(StreamBook, MissPath, ManagerCore):
     # --- seeing memory ----------------------------------------------------------------------------
     def measure(self) -> "Measurement":
         """``with mm.measure() as m: ...`` then ``m.stats``: what changed inside the block
-        (allocations, frees, hits, misses, bytes) and its peak (see gpumem.manager.measure)."""
+        (num_allocs, num_frees, pool_hits, pool_misses, bytes) and its peaks (see
+        gpumem.manager.measure)."""
         from gpumem.manager.measure import Measurement
         self._check_open()
-        return Measurement(self)
+        return Measurement(self, self._peaks, self._miss)
+
+    def peaks(self) -> tuple[int, int]:
+        """``(peak in-use bytes, peak reserved bytes)`` since creation or
+        :meth:`reset_peak_stats` (measure() blocks do not reset them)."""
+        c = self.pool.counters()
+        return self._peaks.peaks(c["peak_in_use_bytes"], c["peak_reserved_bytes"])
 
     def memory_summary(self, *, top_tags: int = 5) -> str:
         """A table a person reads at a glance: reserved, in use, cached, peaks, fallback,
@@ -513,9 +521,14 @@ class MemoryManager(StreamBook, MissPath, ManagerCore):
             # A device closed first (its context released at interpreter exit) took its
             # memory with it: nothing is left to return.
             if not getattr(self.device, "closed", False):
-                self._return_everything()
-            if self._host is not None:
-                self._host.close()
+                try:
+                    self.collect_pending_frees(wait=True)       # releases their events
+                except Exception as exc:  # close() always goes on to return the segments
+                    warnings.warn(f"gpumem: synchronize failed while closing: {exc}",
+                                  RuntimeWarning)
+                self._growth.return_everything()
+            if self._miss.host is not None:
+                self._miss.host.close()
             if self._executor is not None:
                 self._executor.shutdown(wait=False)
 
@@ -523,24 +536,9 @@ class MemoryManager(StreamBook, MissPath, ManagerCore):
         """In a forked child only the forking thread exists: the malloc_async worker and any
         lock another thread held are gone. Start them afresh (the executor lazily)."""
         self._slow = threading.RLock()
+        self._streams.lock = self._growth.lock = self._slow
         self._executor = None
         self._reset_collector()
-
-    def _return_everything(self) -> None:
-        try:
-            self.collect_pending_frees(wait=True)       # releases their events
-            self.device.synchronize()
-        except Exception as exc:  # close() always goes on to return the segments
-            warnings.warn(f"gpumem: synchronize failed while closing: {exc}", RuntimeWarning)
-        for handle in self.pool.live_segment_handles():
-            if self._expandable is not None and self._expandable.owns(handle):
-                self._expandable.release(handle)
-                continue
-            try:
-                self.device.free_segment(handle)
-            except Exception as exc:  # keep returning the others
-                warnings.warn(f"gpumem: could not free segment {handle:#x} on close: {exc}",
-                              RuntimeWarning)
 
     def __del__(self) -> None:
         # Never block in a destructor: close only if the slow-path lock is free right now

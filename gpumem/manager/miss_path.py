@@ -4,280 +4,182 @@ The OOM ladder: the cache, then blocks of idle streams, then a new segment withi
 (giving idle cached segments back first when growth would set a new high-water mark), then
 waiting for deferred frees, then releasing the cache and retrying, then the other managers on
 the device, then the OOM callbacks, then CPU fallback, then an OutOfMemoryError that says why.
-Segment release (``empty_cache``, ``shrink``, the cache cap, pressure) lives here too, since it
-is the ladder's own step.
+Segments themselves come and go through :class:`~gpumem.manager.growth.SegmentGrowth`.
 
-Mixed into :class:`gpumem.MemoryManager`; the ladder runs under the manager's ``_slow`` lock
-(docs/concurrency.md).
+:class:`MissPath` is the part the manager's Cython core calls off the hot path (its *slow
+path*, the ``SlowPath`` protocol of ``gpumem/_core/manager_base.pyi``): ``malloc`` on a miss,
+``trim_cache`` when the cache passes its cap, ``free_other`` for a FallbackBuffer,
+``check_stream``, ``oom_error``. It reaches its manager only through a
+:class:`~gpumem._core.manager_core.CoreAccess` (held weakly: the manager's parts never keep it
+alive, so a dropped manager is closed at once).
+
+Thread safety: the ladder runs under the manager's slow-path lock (``growth.lock``,
+docs/concurrency.md); the counters here are written only under it.
 """
 from __future__ import annotations
 
 import logging
 import warnings
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable
 
-from gpumem.placement import peers
-from gpumem.config import MemoryConfig
+from gpumem._core.manager_base import stream_handle
 from gpumem.errors import (ClosedManagerError, CpuFallbackWarning, DriverError,
-                           DriverOutOfMemory, OutOfMemoryError)
+                           ForeignBufferError, OutOfMemoryError)
 from gpumem.manager.fallback import FallbackBuffer
+from gpumem.placement import peers
 from gpumem.units import format_bytes
 
 if TYPE_CHECKING:
     from gpumem._core.buffer import Buffer
+    from gpumem._core.manager_core import CoreAccess
+    from gpumem.config import MemoryConfig
+    from gpumem.manager.growth import SegmentGrowth
+    from gpumem.manager.memory_manager import MemoryManager, OomCallback
+    from gpumem.manager.stream_book import StreamBook
+    from gpumem.observe.history import HistoryRecorder
 
-__all__ = ["MissPath", "FRAGMENTATION_WARNING"]
+__all__ = ["MissPath"]
 
 log = logging.getLogger("gpumem")
 
-#: a miss that needs a new segment warns when the cache holds enough free bytes for the request
-#: but more than this share of them (1 - largest free block / cached) lies in smaller pieces
-FRAGMENTATION_WARNING = 0.30
-
 
 class MissPath:
-    """The miss half of MemoryManager (see the module docstring)."""
+    """The ladder of one manager (see the module docstring).
 
-    def _malloc_slow(self, nbytes: int, stream: int, tag: Any,
-                     fallback: bool = True) -> Buffer | FallbackBuffer:
-        buf = self._malloc_device(nbytes, stream, tag)
+    ``make_host``: builds the CPU-fallback host manager on the first fallback. ``recorders``:
+    the manager's running history recorders (its list, read here), told of fallback buffers,
+    which the pool's history does not see."""
+
+    def __init__(self, core: CoreAccess, growth: SegmentGrowth, streams: StreamBook,
+                 config: MemoryConfig, total_memory: int,
+                 make_host: Callable[[], MemoryManager],
+                 recorders: list[HistoryRecorder]) -> None:
+        self._core = core
+        self.growth = growth
+        self.streams = streams
+        self._config = config
+        self._total = total_memory
+        self._make_host = make_host
+        self._recorders = recorders
+        self.oom_callbacks: list[OomCallback] = []
+        self.host: MemoryManager | None = None     # serves CPU fallbacks, made on the first
+        self.num_ooms = 0
+        self.cpu_fallbacks = 0
+        self.fallback_bytes = 0                    # held by live fallback buffers
+        self.fallback_live = 0
+        self._fallback_warned = False              # the first fallback warns
+
+    # --- the SlowPath protocol (called by the Cython core) -------------------------------------
+    def malloc(self, nbytes: int, stream: int, tag: Any,
+               fallback: bool = True) -> Buffer | FallbackBuffer:
+        """A request the cache could not serve: the ladder, then CPU fallback (when allowed),
+        else OutOfMemoryError."""
+        buf = self.malloc_device(nbytes, stream, tag)
         if buf is not None:
             return buf
-        if fallback and self.config.cpu_fallback_enabled and nbytes <= self.total_memory:
+        if fallback and self._config.cpu_fallback_enabled and nbytes <= self._total:
             return self._fallback(nbytes, stream, tag)
-        raise self._oom_error(nbytes, fallback_refused=not fallback)
+        raise self.oom_error(nbytes, fallback_refused=not fallback)
 
-    def _malloc_device_only(self, nbytes: int, stream: int, tag: Any) -> Buffer:
-        """Like malloc but never falls back to the CPU (used by migrate_to_device)."""
-        if self._closed:
-            raise ClosedManagerError(f"the manager for {self.device_string} is closed")
-        cached = self.pool.has_stream(stream) and not self._is_dead_stream(stream)
-        buf = self._alloc_cached(nbytes, stream, tag) if cached else None
+    def trim_cache(self) -> None:
+        self.growth.trim_cache()
+
+    def check_stream(self, stream: int) -> None:
+        self.streams.ensure(stream)
+
+    def free_other(self, buffer: Any) -> None:
+        """free() of what is not a Buffer: a FallbackBuffer of this manager."""
+        if isinstance(buffer, FallbackBuffer):
+            if buffer.manager is not self._core.manager:
+                raise ForeignBufferError(f"fallback buffer {buffer.id} belongs to another "
+                                         f"manager")
+            buffer.free()
+            return
+        raise TypeError(f"free() takes a gpumem Buffer, got {type(buffer).__name__}")
+
+    # --- the ladder --------------------------------------------------------------------------
+    def check_open(self) -> None:
+        """ClosedManagerError once the manager is closed (or gone)."""
+        if self._core.closed:
+            raise ClosedManagerError(f"the manager for {self.growth.device.device_string} is "
+                                     f"closed")
+
+    def malloc_device_only(self, nbytes: int, stream: int, tag: Any) -> Buffer:
+        """Like malloc but never falls back to the CPU (warm-up, migrate_to_device)."""
+        self.check_open()
+        if nbytes > self._total:
+            raise self.oom_error(nbytes)             # no device holds it (nor a C size_t)
+        buf = (self.growth.alloc_cached(nbytes, stream, tag) if self.streams.usable(stream)
+               else None)
         if buf is None:
-            buf = self._malloc_device(nbytes, stream, tag)
+            buf = self.malloc_device(nbytes, stream, tag)
         if buf is None:
-            raise self._oom_error(nbytes)
+            raise self.oom_error(nbytes)
         return buf
 
-    def _malloc_device(self, nbytes: int, stream: int, tag: Any) -> Buffer | None:
+    def malloc_device(self, nbytes: int, stream: int, tag: Any) -> Buffer | None:
         """Ladder: cache -> idle streams' cache -> new segment -> release cache and retry ->
         other managers on this device release their caches, retry -> OOM callbacks and retry.
         None when all fail."""
-        with self._slow:
-            if self._closed:
-                raise ClosedManagerError(f"the manager for {self.device_string} is closed")
-            self._ensure_stream(stream)
-            if nbytes > self.usable_memory:
+        growth = self.growth
+        with growth.lock:
+            manager = self._core.manager
+            if manager.closed:
+                raise ClosedManagerError(f"the manager for {manager.device_string} is closed")
+            self.streams.ensure(stream)
+            if nbytes > growth.usable_memory:
                 return None                       # can never fit: no driver call, cache kept
-            buf = self._alloc_cached(nbytes, stream, tag)
+            buf = growth.alloc_cached(nbytes, stream, tag)
             if buf is None:
-                buf = self._from_idle_streams(nbytes, stream, tag)
+                buf = growth.alloc_from_idle_streams(nbytes, stream, tag)
             if buf is None:
-                buf = self._grow(nbytes, stream, tag)
-            if buf is None and self.collect_pending_frees(wait=True):
+                buf = growth.grow(nbytes, stream, tag)
+            if buf is None and manager.collect_pending_frees(wait=True):
                 # blocks freed after use on other streams: wait for those streams, then retry
-                buf = self._alloc_cached(nbytes, stream, tag) or self._grow(nbytes, stream, tag)
-            if buf is None and self._release_cached(reason="retry after a failed growth"):
-                buf = self._grow(nbytes, stream, tag)
-            if buf is None and peers.release_peer_caches(self):
-                buf = self._grow(nbytes, stream, tag)
-            if buf is None and self._oom_callbacks:
-                for callback in list(self._oom_callbacks):
-                    callback(self, nbytes)
-                buf = self._alloc_cached(nbytes, stream, tag)
+                buf = growth.alloc_cached(nbytes, stream, tag) or growth.grow(nbytes, stream, tag)
+            if buf is None and growth.release_cached(reason="retry after a failed growth"):
+                buf = growth.grow(nbytes, stream, tag)
+            if buf is None and peers.release_peer_caches(manager):
+                buf = growth.grow(nbytes, stream, tag)
+            if buf is None and self.oom_callbacks:
+                for callback in list(self.oom_callbacks):
+                    callback(manager, nbytes)
+                buf = growth.alloc_cached(nbytes, stream, tag)
                 if buf is None:
-                    self._release_cached(reason="after OOM callbacks")
-                    buf = self._grow(nbytes, stream, tag)
+                    growth.release_cached(reason="after OOM callbacks")
+                    buf = growth.grow(nbytes, stream, tag)
             return buf
-
-    def _grow(self, nbytes: int, stream: int, tag: Any) -> Buffer | None:
-        """A new segment from the driver, within usable_memory and min_free_bytes."""
-        self._check_fragmentation(nbytes)
-        rounded = self.pool.round_size(nbytes)
-        if self._expandable is not None and rounded > self.pool.small_size:
-            buf = self._expandable.grow(nbytes, stream, tag)
-            if buf is not None:
-                self._update_pressure()
-            return buf
-        seg = self._new_segment((self.pool.segment_size(nbytes), rounded),
-                                small=rounded <= self.pool.small_size)
-        if seg is None:
-            return None
-        handle, base, seg_size = seg
-        try:
-            buf = self._alloc_in_new_segment(handle, base, seg_size, nbytes, stream, tag)
-        except BaseException:
-            self.device.free_segment(handle)      # the pool did not adopt it
-            raise
-        self._update_pressure()
-        return buf
-
-    def _new_segment(self, sizes: Sequence[int],
-                     small: bool | None = None) -> tuple[int, int, int] | None:
-        """``(handle, base, size)`` of a raw segment of the first of `sizes` (largest first:
-        the preferred size, then fall-backs) that the limits allow and the driver grants; None
-        if none. Idle cached segments are given back first as the config asks. `small` says
-        which pool the segment is for (None: unknown)."""
-        preferred = sizes[0]
-        past_mark = self.pool.reserved_bytes + preferred > self.pool.peak_reserved_bytes
-        if not small:
-            # max_pooled_per_bucket caps idle *large* segments: enforced when the large pool
-            # grows, not on every small-pool growth (one small segment would otherwise release
-            # every surplus large one, which the next pass of the workload allocates again)
-            self._release_excess_per_bucket()
-        if (self.config.release_before_grow and past_mark
-                and self.pool.whole_free_bytes >= preferred):
-            # growth would set a new high-water mark while idle segments could offset it:
-            # give back as much as we are about to take (largest first). Below the mark the
-            # cache is kept, so a warm steady state does not churn the driver. A large-pool
-            # growth never takes the small pool's idle segments: they cannot hold its request,
-            # and the small pool would only have to grow them back on its next busy phase.
-            self._release_cached(preferred, reason="release before grow",
-                                 small=False if small is False else None)
-        if (self.config.release_before_grow and past_mark and small
-                and self._expandable is not None and self._expandable.trimmable() >= preferred):
-            # the small pool cannot use the large pool's free pages, but they can go back
-            # to the device first: the high-water mark stays where it is
-            self._expandable.trim(preferred)
-        reserved = self.pool.reserved_bytes
-        free, _ = self.device.mem_get_info()
-        for size in dict.fromkeys(sizes):
-            if not self._segment_allowed(size, reserved, free):
-                continue
-            try:
-                handle, base = self.device.alloc_segment(size)
-            except DriverOutOfMemory as exc:
-                log.debug("driver refused a %s segment on %s: %s", format_bytes(size),
-                          self.device_string, exc)
-                return None
-            log.debug("new %s segment on %s (reserved now %s)", format_bytes(size),
-                      self.device_string, format_bytes(reserved + size))
-            return handle, base, size
-        return None
-
-    def _check_fragmentation(self, nbytes: int) -> None:
-        """On a miss that needs a new segment: warn when the cache holds enough free bytes for
-        the request but no block large enough, with fragmentation (1 - largest free block /
-        cached) above FRAGMENTATION_WARNING. WARNING once, DEBUG after; re-armed once it falls
-        below half the threshold."""
-        reserved = self.pool.reserved_bytes
-        pooled = reserved - self.pool.in_use_bytes
-        # a cache smaller than two large segments, or a small share of what is held, cannot
-        # be meaningfully fragmented: no warning
-        if pooled < nbytes or pooled < 2 * self.config.large_segment or pooled * 10 < reserved:
-            return
-        largest = self.pool.largest_free_block()
-        if nbytes <= largest:
-            return                                # not fragmentation (size class / stream)
-        frag = 1.0 - largest / pooled
-        if frag > FRAGMENTATION_WARNING:
-            level = logging.DEBUG if self._frag_warned else logging.WARNING
-            self._frag_warned = True
-            log.log(level, "%s: fragmentation %.0f%%: %s cached but the largest free block is "
-                    "%s, so a %s request needs a new segment (%s can help)",
-                    self.device_string, 100 * frag, format_bytes(pooled),
-                    format_bytes(largest), format_bytes(nbytes),
-                    "MemoryConfig(expandable_segments=True)"
-                    if self._expandable is None and self.device.supports_virtual_memory
-                    else "MemoryConfig.max_split_size or empty_cache()")
-        elif frag < FRAGMENTATION_WARNING / 2:
-            self._frag_warned = False
-
-    def _segment_allowed(self, seg_size: int, reserved: int, free: int) -> bool:
-        return (reserved + seg_size <= self.usable_memory
-                and free - seg_size >= self.config.min_free_bytes)
-
-    def _release_segments(self, segments: Sequence[tuple]) -> int:
-        """Return detached segments to the driver; a refused one goes back into the pool."""
-        released = 0
-        for handle, base, size, is_small, stream in segments:
-            if self._expandable is not None and self._expandable.owns(handle):
-                released += self._expandable.release(handle)
-                continue
-            try:
-                self.device.free_segment(handle)
-                released += size
-            except DriverError as exc:
-                self.pool.restore_segment(handle, base, size, is_small, stream)
-                warnings.warn(f"gpumem: {self.device_string} refused to free a segment "
-                              f"({exc}); it stays cached", RuntimeWarning)
-        if released:
-            log.debug("released %s of cached segments on %s", format_bytes(released),
-                      self.device_string)
-        return released
-
-    def _release_cached(self, max_bytes: int | None = None, *, reason: str = "",
-                        small: bool | None = None) -> int:
-        """Release wholly free segments, largest first (only those of one pool if `small` is
-        given); the bytes released."""
-        with self._slow:
-            if (self.pool.reserved_bytes == self.pool.in_use_bytes
-                    and (self._expandable is None or not self._expandable.holds_empty())):
-                return 0
-            kwargs = {} if max_bytes is None else {"max_bytes": max_bytes}
-            if small is not None:
-                kwargs["small"] = int(small)
-            detached = self.pool.release_free_segments(**kwargs)
-            released = 0
-            if detached:
-                self.device.synchronize()         # no pending work may touch what we free
-                released = self._release_segments(detached)
-            if self._expandable is not None and small is not True:
-                # free tails of expandable segments go back page by page
-                left = None if max_bytes is None else max(0, max_bytes - released)
-                if left != 0:
-                    released += self._expandable.trim(left)
-            if released:
-                log.debug("%s: released %s (%s)", self.device_string, format_bytes(released),
-                          reason)
-                self._update_pressure()
-            return released
-
-    def _release_excess_per_bucket(self) -> None:
-        excess = self.pool.excess_free_segments(self.config.max_pooled_per_bucket)
-        if excess:
-            self.device.synchronize()
-            self._release_segments(excess)
-
-    def _trim_cache(self) -> None:
-        """Called by free() when cached bytes exceed max_pool_size."""
-        limit = self._max_pool_size
-        if limit is None:
-            return
-        pooled = self.pool.reserved_bytes - self.pool.in_use_bytes
-        # whole_free_bytes is a C counter: no search (and no synchronize) on each free when
-        # the cached bytes sit in partly used segments and nothing can be released
-        if pooled > limit and (self.pool.whole_free_bytes or (
-                self._expandable is not None and self._expandable.trimmable())):
-            self._release_cached(pooled - limit, reason="max_pool_size")
 
     # --- OOM ------------------------------------------------------------------------------------
-    def _oom_error(self, nbytes: int, fallback_refused: bool = False) -> OutOfMemoryError:
-        self._num_ooms += 1
+    def oom_error(self, nbytes: int, fallback_refused: bool = False) -> OutOfMemoryError:
+        """The OutOfMemoryError for a request nothing could serve, saying why (and counted)."""
+        self.num_ooms += 1
+        growth, cfg = self.growth, self._config
+        device, pool, usable = growth.device, growth.pool, growth.usable_memory
         try:
-            free, total = self.device.mem_get_info()
+            free, total = device.mem_get_info()
         except DriverError:
-            free, total = None, self.total_memory
-        reserved = self.pool.reserved_bytes
-        in_use = self.pool.in_use_bytes
-        if nbytes > self.total_memory:
+            free, total = None, self._total
+        reserved = pool.reserved_bytes
+        in_use = pool.in_use_bytes
+        if nbytes > self._total:
             reason = "the request exceeds the device's total memory"
-        elif nbytes > self.usable_memory:
+        elif nbytes > usable:
             reason = "the request exceeds usable memory (gpu_memory_fraction / reserve)"
         else:
             reason = "device, cache and callbacks exhausted"
-            if not self.config.cpu_fallback_enabled:
+            if not cfg.cpu_fallback_enabled:
                 reason += "; CPU fallback is disabled"
             elif fallback_refused:
                 reason += "; CPU fallback refused by malloc(fallback=False)"
         cached = reserved - in_use
-        largest = self.pool.largest_free_block()
-        fits = nbytes <= self.usable_memory      # else how the cache looks is beside the point
+        largest = pool.largest_free_block()
+        fits = nbytes <= usable                  # else how the cache looks is beside the point
         if cached and fits:
             reason += (f"; {1 - largest / cached:.0%} of the cache is fragmented (outside the "
                        f"largest free block)")
-        if self.device.supports_virtual_memory and fits:
-            on = self._expandable is not None
+        if device.supports_virtual_memory and fits:
+            on = growth.expandable is not None
             reason += f"; expandable segments {'on' if on else 'off'}"
             # fragmentation is the cause when the bytes exist but not in one piece: in the
             # cache, or on the device (whose free memory is not one contiguous range)
@@ -285,49 +187,53 @@ class MissPath:
             if not on and fragmented:
                 reason += (" (enough bytes are free but not in one piece: "
                            "MemoryConfig(expandable_segments=True) lets segments grow in place)")
-        err = OutOfMemoryError(nbytes, device=self.device_string, free=free, total=total,
-                               in_use=in_use, cached=cached, limit=self.usable_memory,
+        err = OutOfMemoryError(nbytes, device=device.device_string, free=free, total=total,
+                               in_use=in_use, cached=cached, limit=usable,
                                largest_free_block=largest, reason=reason)
         log.warning("%s", err)
         from gpumem.observe.history import on_oom
-        on_oom(self, err)                     # err.history; the dump of GPUMEM_DUMP_ON_OOM
+        on_oom(self._core.manager, err)       # err.history; the dump of GPUMEM_DUMP_ON_OOM
         return err
 
+    # --- CPU fallback ---------------------------------------------------------------------------
     def _fallback(self, nbytes: int, stream: int, tag: Any) -> FallbackBuffer:
-        with self._slow:
-            if self._host is None:
-                self._host = type(self)(             # a MemoryManager on host memory
-                    "cpu", MemoryConfig(cpu_fallback_enabled=False, min_free_bytes=0,
-                                        track_allocations=False, gpu_memory_fraction=1.0))
-                self._keep_buffer_state()           # the tracker wants its tags too
-            host = self._host
+        device_string = self.growth.device.device_string
+        with self.growth.lock:
+            if self.host is None:
+                self.host = self._make_host()
+            host = self.host
             if not self._fallback_warned:
                 # before the host allocation: a filter that turns this warning into an error
                 # then leaves nothing allocated. stacklevel 3: the caller of malloc (Cython
                 # frames do not count)
                 warnings.warn(
-                    f"gpumem: {self.device_string} is exhausted; {format_bytes(nbytes)} served "
+                    f"gpumem: {device_string} is exhausted; {format_bytes(nbytes)} served "
                     f"from CPU memory (a FallbackBuffer). Later fallbacks are only logged. "
                     f"Refuse it with malloc(..., fallback=False) or "
                     f"MemoryConfig(cpu_fallback_enabled=False).",
                     CpuFallbackWarning, stacklevel=3)
                 self._fallback_warned = True
-        fb = FallbackBuffer(self, host._malloc_device_only(nbytes, 0, tag), stream, tag)
-        self._cpu_fallbacks += 1
-        self._fallback_bytes += nbytes
-        self._fallback_live += 1
+        host_buf = host.malloc(nbytes, tag=tag)      # the host manager never falls back
+        fb = FallbackBuffer(self._core.manager, self, host_buf, stream, tag)
+        self.cpu_fallbacks += 1
+        self.fallback_bytes += nbytes
+        self.fallback_live += 1
         log.warning("%s: device exhausted, %s served from CPU memory (fallback #%d)",
-                    self.device_string, format_bytes(nbytes), self._cpu_fallbacks)
-        if self._hooks:
-            self._on_alloc(fb)
-        if self._recorders:
-            self._note_fallback(fb, "a")
+                    device_string, format_bytes(nbytes), self.cpu_fallbacks)
+        self._core.notify_alloc(fb)
+        for recorder in list(self._recorders):
+            recorder.note_fallback(fb, "a")
         return fb
 
-    def _fallback_released(self, fb: FallbackBuffer) -> None:
-        self._fallback_bytes -= fb.nbytes
-        self._fallback_live -= 1
-        if self._hooks and not self._closed:
-            self._on_free(fb)
-        if self._recorders and not self._closed:
-            self._note_fallback(fb, "f")
+    def fallback_released(self, fb: FallbackBuffer) -> None:
+        """A FallbackBuffer of this manager is being freed."""
+        self.fallback_bytes -= fb.nbytes
+        self.fallback_live -= 1
+        if not self._core.closed:
+            self._core.notify_free(fb)
+            for recorder in list(self._recorders):
+                recorder.note_fallback(fb, "f")
+
+    def validate_stream(self, stream: Any) -> None:
+        """A stream argument of a FallbackBuffer: a handle the device knows."""
+        self.streams.ensure(stream_handle(stream))

@@ -1,11 +1,26 @@
-"""Memory pressure levels and the observers told when the level changes."""
+"""Memory pressure levels, the observers told when the level changes, and the responses.
+
+:class:`PressureWatch` is a manager's part: after the bytes held from the device change
+(segment growth says so) it works out the level from ``MemoryConfig.pressure_thresholds``, calls
+the observers on a change, and on a rise trims the cache (HIGH) or releases every wholly free
+segment (CRITICAL) as the config asks.
+
+Thread safety: ``update`` runs under the manager's slow-path lock (segment growth holds it);
+the callback list is appended to under the GIL and copied before it is walked.
+"""
 from __future__ import annotations
 
 import enum
 import logging
-from typing import Callable
+import warnings
+from typing import TYPE_CHECKING, Callable
 
-__all__ = ["MemoryPressure", "pressure_level", "PressureCallback"]
+if TYPE_CHECKING:
+    from gpumem._core.pool import CachingPool
+    from gpumem.config import MemoryConfig
+    from gpumem.manager.growth import SegmentGrowth
+
+__all__ = ["MemoryPressure", "pressure_level", "PressureCallback", "PressureWatch"]
 
 log = logging.getLogger("gpumem")
 
@@ -32,3 +47,55 @@ def pressure_level(ratio: float, thresholds: tuple[float, float, float]) -> Memo
     if ratio >= medium:
         return MemoryPressure.MEDIUM
     return MemoryPressure.LOW
+
+
+class PressureWatch:
+    """The pressure level of one manager (see the module docstring)."""
+
+    def __init__(self, pool: CachingPool, config: MemoryConfig, usable_memory: int,
+                 device_string: str) -> None:
+        self._pool = pool
+        self._config = config
+        self.usable_memory = usable_memory
+        self._device_string = device_string
+        self.level = MemoryPressure.LOW            # as of the latest update()
+        self.callbacks: list[PressureCallback] = []
+
+    def ratio(self) -> float:
+        """Bytes held from the device over usable memory, in [0, 1]."""
+        if self.usable_memory == 0:
+            return 1.0
+        return min(1.0, self._pool.reserved_bytes / self.usable_memory)
+
+    def current(self) -> MemoryPressure:
+        """The level of :meth:`ratio` now."""
+        return pressure_level(self.ratio(), self._config.pressure_thresholds)
+
+    def update(self, growth: SegmentGrowth) -> None:
+        """After the held bytes changed: tell the observers of a new level; on a rise, respond
+        through ``growth`` as the config asks."""
+        level = self.current()
+        if level == self.level:
+            return
+        old, self.level = self.level, level
+        ratio = self.ratio()
+        log.debug("%s pressure %s -> %s (%.1f%%)", self._device_string, old.name, level.name,
+                  100 * ratio)
+        for callback in list(self.callbacks):
+            try:
+                callback(old, level, ratio)
+            except Exception as exc:  # an observer must not fail the allocation it observes
+                warnings.warn(f"gpumem: pressure observer {callback!r} raised {exc!r}",
+                              RuntimeWarning)
+        if level > old:
+            self._respond(level, growth)
+
+    def _respond(self, level: MemoryPressure, growth: SegmentGrowth) -> None:
+        cfg = self._config
+        if level >= MemoryPressure.CRITICAL and cfg.auto_cleanup_at_critical:
+            growth.release_cached(reason="emergency cleanup")
+        elif level >= MemoryPressure.HIGH and cfg.auto_release_at_high:
+            keep = int(cfg.high_cache_fraction * self.usable_memory)
+            cached = self._pool.reserved_bytes - self._pool.in_use_bytes
+            if cached > keep:
+                growth.release_cached(cached - keep, reason="HIGH pressure")

@@ -1,2 +1,3 @@
-"""Seeing memory: allocation tracking, history recording, traces and their replay, snapshots,
-plots, summaries and the PyTorch bridges (snapshot import, memory_viz export)."""
+"""Seeing memory: allocation tracking, history recording, traces (recorded or synthetic) and
+their replay, snapshots, plots, summaries and the PyTorch bridges (snapshot import, memory_viz
+export)."""

@@ -241,7 +241,7 @@ class HistoryRecorder:
             self._fallback.clear()
             self._fallback_noted = 0
 
-    def _note_fallback(self, buf: Any, op: str) -> None:
+    def note_fallback(self, buf: Any, op: str) -> None:
         """The manager tells of a CPU-fallback buffer allocated or freed (op "a"/"f")."""
         mgr = self.manager
         position = _event_count(mgr.pool) if mgr is not None else 0

@@ -8,14 +8,15 @@ pyplot, so plotting needs no display and touches no global figure state.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 
 from gpumem.errors import GpuMemoryError, InvalidInputError
 from gpumem.units import GiB, KiB, MiB, format_bytes
 
-__all__ = ["plot_timeline", "plot_segments", "PlotDependencyError", "INSTALL_HINT"]
+__all__ = ["plot_timeline", "plot_segments", "plot_reserved_comparison", "PlotDependencyError",
+           "INSTALL_HINT"]
 
 INSTALL_HINT = "pip install gpumem-pool[plot]"
 
@@ -131,6 +132,43 @@ def plot_timeline(source: Any, path: str | os.PathLike[str], *, x: str = "event"
     return _save(fig, path)
 
 
+def plot_reserved_comparison(series: Mapping[str, Mapping[str, Any]],
+                             path: str | os.PathLike[str], *, title: str = "",
+                             capacity: int | None = None) -> str:
+    """Reserved bytes over the events of several replays of one trace (e.g. the best gpumem
+    and the best PyTorch setting of :func:`gpumem.tune`), with the trace's live bytes and the
+    device's capacity. ``series`` maps a label to a replay's ``series`` (``"live"`` and
+    ``"reserved"`` arrays, one value per event). Writes a PNG and returns the path."""
+    if not series or any("reserved" not in s or "live" not in s for s in series.values()):
+        raise InvalidInputError("series must map each label to a replay series with 'live' and "
+                                "'reserved' (replay with record_series=True)")
+    fig = _figure(10, 4.8)
+    top = max(float(np.max(s["reserved"], initial=0)) for s in series.values())
+    live = np.asarray(next(iter(series.values()))["live"], dtype=np.float64)
+    scale, unit = _unit(max(top, float(live.max(initial=0)), capacity or 0))
+    ax = fig.add_subplot(1, 1, 1)
+    xs = np.arange(len(live))
+    ax.fill_between(xs, 0, live / scale, step="post", color="#3a7dc9", alpha=0.35, linewidth=0,
+                    label=f"live (requested), peak {format_bytes(live.max(initial=0))}")
+    for k, (label, s) in enumerate(series.items()):
+        reserved = np.asarray(s["reserved"], dtype=np.float64)
+        ax.step(np.arange(len(reserved)), reserved / scale, where="post",
+                color=_PALETTE[(k + 1) % len(_PALETTE)], linewidth=1.3,
+                label=f"reserved, {label}: peak {format_bytes(reserved.max(initial=0))}")
+    if capacity:
+        ax.axhline(capacity / scale, color="0.3", linestyle="--", linewidth=0.9,
+                   label=f"device capacity {format_bytes(capacity)}")
+    if len(xs):
+        ax.set_xlim(0, max(len(xs) - 1, 1))
+    ax.set_ylim(0, None)
+    ax.set_xlabel("event index (allocations and frees, in order)")
+    ax.set_ylabel(f"memory ({unit})")
+    fig.suptitle(title or "Reserved memory over the trace", fontsize=12)
+    ax.grid(True, alpha=0.3)
+    ax.legend(loc="lower right", fontsize=8)
+    return _save(fig, path)
+
+
 # --- segment map -----------------------------------------------------------------------------------------
 _FREE_COLOR = "#e3e3e3"
 _PALETTE = ["#3a7dc9", "#e07b39", "#4daf4a", "#984ea3", "#e41a1c", "#a6761d", "#17becf",
@@ -233,10 +271,10 @@ def plot_segments(snapshot: dict, path: str | os.PathLike[str], *, title: str | 
                 title += f" (after event {snapshot['event_index']:,})"
     fig.suptitle(title, fontsize=12)
     shown = "" if n == total_segs else f"; showing the {n} largest of {total_segs} segments"
-    ax.set_title(f"{s['segments']} segments, {format_bytes(s['reserved_bytes'])} reserved, "
-                 f"{format_bytes(s['allocated_bytes'])} allocated, largest free block "
+    ax.set_title(f"{s['num_segments']} segments, {format_bytes(s['reserved_bytes'])} reserved, "
+                 f"{format_bytes(s['in_use_bytes'])} allocated, largest free block "
                  f"{format_bytes(s['largest_free_block'])}, fragmentation of the free space "
-                 f"{s['fragmentation']:.0%}{shown}", fontsize=8, color="0.35", loc="left")
+                 f"{s['fragmentation_ratio']:.0%}{shown}", fontsize=8, color="0.35", loc="left")
     from matplotlib.patches import Patch
     handles = []
     if tags:

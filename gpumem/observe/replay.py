@@ -24,10 +24,11 @@ from typing import Any, Callable, Iterator, Union
 
 import numpy as np
 
-from gpumem.backends import Device
+from gpumem.backends import Device, DeviceKind
 from gpumem.config import MemoryConfig
 from gpumem.errors import InvalidInputError, OutOfMemoryError
 from gpumem.observe.trace import OP_ALLOC, Phase, TraceData, read_trace
+from gpumem.stats import DeprecatedName, StatsDict, deprecated_names
 from gpumem.units import format_bytes
 
 __all__ = ["replay", "ReplayResult", "replay_config", "open_replay_device", "CONFIG_PRESETS"]
@@ -74,7 +75,7 @@ def open_replay_device(device: str | Device) -> Device:
 
 def _device_label(dev: Device) -> str:
     s = dev.device_string
-    if dev.backend == "sim" and getattr(dev, "index", 0) < 0:
+    if dev.kind is DeviceKind.SIMULATED and getattr(dev, "index", 0) < 0:
         return f"sim({format_bytes(dev.properties().total_memory)})"
     return s
 
@@ -96,8 +97,8 @@ class ReplayResult:
     peak_reserved_bytes: int
     reserved_live_ratio: float
     hit_rate: float
-    hits: int
-    misses: int
+    pool_hits: int
+    pool_misses: int
     segments_peak: int
     segments_created: int
     segments_released: int
@@ -112,6 +113,11 @@ class ReplayResult:
     #: driver calls the pool made: segment allocs and frees, and virtual-memory calls
     #: (reserve, create, map, unmap, release, free) of expandable segments
     driver_calls: int = 0
+    #: seconds the replay's driver calls would take on a GPU, from the device's cost model
+    #: (:mod:`gpumem_sim.driver_costs`); 0.0 on a backend without one
+    modeled_driver_seconds: float = 0.0
+    #: ``{call: [count, seconds]}`` behind ``modeled_driver_seconds``
+    modeled_driver_breakdown: dict[str, list] = field(default_factory=dict, repr=False)
     config: dict[str, Any] = field(default_factory=dict, repr=False)
     #: ``{"live": int64[n], "reserved": int64[n], "t_ns": int64[n]}`` after each event, with
     #: ``record_series=True``
@@ -119,14 +125,17 @@ class ReplayResult:
     #: :func:`gpumem.observe.snapshot.take_snapshot` at ``snapshot_at``
     snapshot: dict | None = field(default=None, repr=False)
 
+    hits = DeprecatedName("pool_hits")
+    misses = DeprecatedName("pool_misses")
+
     @property
     def segments(self) -> int:
         """Peak number of segments held at once."""
         return self.segments_peak
 
-    def as_dict(self) -> dict[str, Any]:
-        d = {k: getattr(self, k) for k in self.__dataclass_fields__
-             if k not in ("series", "snapshot")}
+    def as_dict(self) -> StatsDict:
+        d = ReplayResultDict({k: getattr(self, k) for k in self.__dataclass_fields__
+                              if k not in ("series", "snapshot")})
         d["series_length"] = 0 if self.series is None else int(len(self.series["live"]))
         return d
 
@@ -136,12 +145,14 @@ class ReplayResult:
             f"replay of {self.trace} on {self.device}"
             + ("" if fb(self.capacity) in self.device else f" ({fb(self.capacity)})"),
             f"  events          {self.events:,} ({self.allocs:,} allocs, {self.frees:,} frees) "
-            f"in {self.duration_s:.3f} s = {self.events_per_second:,.0f} events/s",
+            f"in {self.duration_s:.3f} s = {self.events_per_second:,.0f} events/s"
+            + (f"; driver time on a GPU (modeled) {_fmt_seconds(self.modeled_driver_seconds)}"
+               if self.modeled_driver_seconds else ""),
             f"  peak live       {fb(self.peak_live_bytes)} requested "
             f"({fb(self.peak_in_use_bytes)} after rounding)",
             f"  peak reserved   {fb(self.peak_reserved_bytes)} "
             f"-> reserved/live {self.reserved_live_ratio:.3f}",
-            f"  cache           {self.hits:,} hits, {self.misses:,} misses "
+            f"  cache           {self.pool_hits:,} hits, {self.pool_misses:,} misses "
             f"(hit rate {self.hit_rate:.1%})",
             f"  segments        {self.segments_peak} at peak, {self.segments_created} created, "
             f"{self.segments_released} released; {self.driver_calls:,} driver calls"
@@ -157,6 +168,23 @@ class ReplayResult:
         if self.cpu_fallbacks:
             lines.append(f"  CPU fallbacks   {self.cpu_fallbacks:,}")
         return "\n".join(lines)
+
+
+class ReplayResultDict(StatsDict):
+    what = "ReplayResult.as_dict()"
+    renamed = deprecated_names(ReplayResult)
+
+
+def _fmt_seconds(s: float) -> str:
+    return f"{s * 1e3:,.1f} ms" if s < 10 else f"{s:,.2f} s"
+
+
+def _driver_meter(dev: Device) -> tuple[float, dict]:
+    """The device's modeled driver seconds and breakdown so far ((0.0, {}) without a model)."""
+    seconds = getattr(dev, "modeled_driver_seconds", None)
+    if not isinstance(seconds, float):
+        return 0.0, {}
+    return seconds, dict(dev.modeled_driver_breakdown)  # type: ignore[attr-defined]
 
 
 class _OomFilter(logging.Filter):
@@ -295,6 +323,7 @@ def replay(trace: Any, device: str | Device = "sim:80GiB",
         reserved_series = np.zeros(n, dtype=np.int64)
     bar = _Progress(progress, n, f"replay {data.name}")
 
+    modeled0, breakdown0 = _driver_meter(dev)   # the manager's own set-up calls count too
     mm = MemoryManager(dev, cfg)
     pool = mm.pool
     handles: dict[int, Any] = {}
@@ -349,7 +378,7 @@ def replay(trace: Any, device: str | Device = "sim:80GiB",
                 if k == peak_event:
                     st = mm.stats()
                     frag_at_peak = st.fragmentation_ratio()
-                    cached_at_peak = st.pooled_bytes
+                    cached_at_peak = st.cached_bytes
                 if k == snap_index:
                     from gpumem.observe.snapshot import take_snapshot
                     snapshot = take_snapshot(mm)
@@ -360,6 +389,8 @@ def replay(trace: Any, device: str | Device = "sim:80GiB",
                     bar.update(k)
                     next_tick += step
             duration = time.perf_counter() - t0
+            # like driver_calls: the replay's calls, not those of the close() below
+            modeled1, breakdown1 = _driver_meter(dev)
             bar.close(n)
             bar = None
             if quiet.dropped:
@@ -369,8 +400,8 @@ def replay(trace: Any, device: str | Device = "sim:80GiB",
         stats = mm.stats()
         counters = pool.counters()
         driver_calls = counters["segments_created"] + counters["segments_released"]
-        if mm._expandable is not None:
-            driver_calls += mm._expandable.driver_calls - mm._expandable.segment_events
+        if mm.expandable_segments is not None:
+            driver_calls += mm.expandable_segments.driver_calls - mm.expandable_segments.segment_events
     finally:
         if bar is not None and bar.bar is not None:
             bar.bar.close()
@@ -388,14 +419,18 @@ def replay(trace: Any, device: str | Device = "sim:80GiB",
         peak_live_bytes=peak_live, peak_in_use_bytes=counters["peak_in_use_bytes"],
         peak_reserved_bytes=peak_reserved,
         reserved_live_ratio=(peak_reserved / peak_live) if peak_live else 0.0,
-        hit_rate=stats.hit_rate(), hits=stats.pool_hits, misses=stats.pool_misses,
+        hit_rate=stats.hit_rate(), pool_hits=stats.pool_hits, pool_misses=stats.pool_misses,
         segments_peak=peak_seg, segments_created=counters["segments_created"],
         segments_released=counters["segments_released"], num_ooms=num_ooms,
         failed_bytes=failed_bytes, skipped_frees=skipped, cpu_fallbacks=stats.cpu_fallbacks,
         duration_s=duration, events_per_second=(n / duration) if duration > 0 else 0.0,
         fragmentation_at_peak=frag_at_peak, cached_at_peak=cached_at_peak,
         driver_calls=driver_calls,
-        config={"expandable_segments": mm._expandable is not None,"gpu_memory_fraction": cfg.gpu_memory_fraction,
+        modeled_driver_seconds=modeled1 - modeled0,
+        modeled_driver_breakdown={
+            c: [k - breakdown0.get(c, (0, 0.0))[0], s - breakdown0.get(c, (0, 0.0))[1]]
+            for c, (k, s) in breakdown1.items() if k > breakdown0.get(c, (0, 0.0))[0]},
+        config={"expandable_segments": mm.expandable_segments is not None,"gpu_memory_fraction": cfg.gpu_memory_fraction,
                 "cpu_fallback_enabled": cfg.cpu_fallback_enabled,
                 "min_free_bytes": cfg.min_free_bytes, "max_pool_size": cfg.max_pool_size,
                 "max_split_size": cfg.max_split_size},

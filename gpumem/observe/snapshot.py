@@ -35,7 +35,9 @@ import os
 import time
 from typing import Any
 
+from gpumem.backends.base import DeviceKind
 from gpumem.errors import ClosedManagerError, InvalidInputError
+from gpumem.stats import StatsDict
 from gpumem.units import format_bytes
 
 __all__ = ["take_snapshot", "save_snapshot", "load_snapshot", "format_snapshot", "summarize",
@@ -76,10 +78,10 @@ def take_snapshot(manager: Any) -> dict:
     tags: dict[int, Any] = {}
     if tracker is not None:
         for meta in tracker.live():
-            if meta.location == "device" or manager.device_string == "cpu":
+            if meta.location == "device" or manager.device.kind is DeviceKind.HOST:
                 tags[meta.id] = meta.tag
     pending = manager.pending_free_ids() if hasattr(manager, "pending_free_ids") else ()
-    expandable = getattr(manager, "_expandable", None)
+    expandable = getattr(manager, "expandable_segments", None)
     layout = expandable.layout() if expandable is not None else {}
     segments = []
     for seg in manager.pool.segments():
@@ -170,21 +172,20 @@ def _validate(data: Any, where: str) -> None:
         raise bad("'segments' must be a list")
     if not isinstance(data["stats"], dict):
         raise bad("'stats' must be an object")
-    for i, seg in enumerate(data["segments"]):
-        if not isinstance(seg, dict):
-            raise bad(f"segment #{i} is not an object")
-        miss = [k for k in _SEGMENT_KEYS if k not in seg]
+    def require(record: Any, keys: Any, where: str) -> None:
+        if not isinstance(record, dict):
+            raise bad(f"{where} is not an object")
+        miss = [k for k in keys if k not in record]
         if miss:
-            raise bad(f"segment #{i} lacks {miss}")
+            raise bad(f"{where} lacks {miss}")
+
+    for i, seg in enumerate(data["segments"]):
+        require(seg, _SEGMENT_KEYS, f"segment #{i}")
         if not isinstance(seg["size"], int) or seg["size"] < 0 or not isinstance(seg["blocks"], list):
             raise bad(f"segment #{i} needs an int size and a list of blocks")
         end = 0
         for j, b in enumerate(seg["blocks"]):
-            if not isinstance(b, dict):
-                raise bad(f"segment #{i} block #{j} is not an object")
-            miss = [k for k in _BLOCK_KEYS if k not in b]
-            if miss:
-                raise bad(f"segment #{i} block #{j} lacks {miss}")
+            require(b, _BLOCK_KEYS, f"segment #{i} block #{j}")
             if b["state"] not in ("allocated", "free", "unmapped"):
                 raise bad(f"segment #{i} block #{j} has state {b['state']!r}, expected "
                           f"'allocated', 'free' or 'unmapped'")
@@ -197,10 +198,18 @@ def _validate(data: Any, where: str) -> None:
             raise bad(f"segment #{i}: blocks end at {end}, past the segment's size {seg['size']}")
 
 
-def summarize(snapshot: dict) -> dict[str, Any]:
-    """Totals of a snapshot: segments, bytes by state (``reserved_bytes`` physical: without
-    the ``hole_bytes`` of unmapped blocks), largest free block, fragmentation, and
-    ``{tag: bytes}`` of the allocated blocks."""
+class SnapshotTotals(StatsDict):
+    """What :func:`summarize` returns; its keys used before still read, with a warning."""
+    what = "summarize(snapshot)"
+    renamed = {"segments": "num_segments", "allocated_bytes": "in_use_bytes",
+               "free_bytes": "cached_bytes", "fragmentation": "fragmentation_ratio"}
+
+
+def summarize(snapshot: dict) -> SnapshotTotals:
+    """Totals of a snapshot in gpumem.stats' vocabulary: ``num_segments``, bytes by state
+    (``reserved_bytes`` physical: without the ``hole_bytes`` of unmapped blocks;
+    ``in_use_bytes`` in allocated blocks, ``cached_bytes`` in free ones), largest free block,
+    ``fragmentation_ratio``, and ``{tag: bytes}`` of the allocated blocks."""
     reserved = allocated = requested = free = largest = unmapped = 0
     n_alloc = n_free = 0
     by_tag: dict[str, int] = {}
@@ -220,11 +229,12 @@ def summarize(snapshot: dict) -> dict[str, Any]:
                 free += b["size"]
                 n_free += 1
                 largest = max(largest, b["size"])
-    return {"segments": len(snapshot["segments"]), "reserved_bytes": reserved,
-            "allocated_bytes": allocated, "requested_bytes": requested, "free_bytes": free,
-            "allocated_blocks": n_alloc, "free_blocks": n_free, "largest_free_block": largest,
-            "fragmentation": (1 - largest / free) if free else 0.0, "bytes_by_tag": by_tag,
-            "hole_bytes": unmapped}
+    return SnapshotTotals(
+        num_segments=len(snapshot["segments"]), reserved_bytes=reserved, in_use_bytes=allocated,
+        requested_bytes=requested, cached_bytes=free, allocated_blocks=n_alloc,
+        free_blocks=n_free, largest_free_block=largest,
+        fragmentation_ratio=(1 - largest / free) if free else 0.0, bytes_by_tag=by_tag,
+        hole_bytes=unmapped)
 
 
 def format_snapshot(snapshot: dict, *, max_segments: int = 30, max_blocks: int = 8) -> str:
@@ -234,11 +244,11 @@ def format_snapshot(snapshot: dict, *, max_segments: int = 30, max_blocks: int =
     lines = [
         f"snapshot of {snapshot['device']}"
         + (f" ({snapshot['device_name']})" if snapshot.get("device_name") else "")
-        + f": {s['segments']} segment(s), {fb(s['reserved_bytes'])} reserved",
-        f"  allocated {fb(s['allocated_bytes'])} in {s['allocated_blocks']} block(s) "
-        f"({fb(s['requested_bytes'])} requested), free {fb(s['free_bytes'])} in "
+        + f": {s['num_segments']} segment(s), {fb(s['reserved_bytes'])} reserved",
+        f"  allocated {fb(s['in_use_bytes'])} in {s['allocated_blocks']} block(s) "
+        f"({fb(s['requested_bytes'])} requested), free {fb(s['cached_bytes'])} in "
         f"{s['free_blocks']} block(s), largest free block {fb(s['largest_free_block'])}, "
-        f"fragmentation {s['fragmentation']:.1%}",
+        f"fragmentation {s['fragmentation_ratio']:.1%}",
     ]
     if s["bytes_by_tag"] and set(s["bytes_by_tag"]) != {"(untagged)"}:
         tags = sorted(s["bytes_by_tag"].items(), key=lambda kv: -kv[1])

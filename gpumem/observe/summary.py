@@ -6,7 +6,10 @@ block, pressure, CPU fallback) and, with tracking on, which tags hold the most::
 
     print(mm.memory_summary())
 
-:func:`summary_data` gives the same figures as a JSON-ready dict (``gpumem summary --json``).
+:func:`summary_data` gives the same figures as a JSON-ready dict (``gpumem summary --json``),
+keyed by gpumem.stats' vocabulary (docs/statistics.md); the keys used before (``allocations``,
+``hits``, ``ooms``...) still read from the dict, with a DeprecationWarning, but JSON has only
+the new ones.
 Everything is read from the manager's counters and one segment listing: no driver allocation,
 only ``mem_get_info`` for the device's own free figure.
 """
@@ -14,13 +17,28 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from gpumem.errors import DriverError, InvalidInputError
+from gpumem.errors import ClosedManagerError, DriverError, InvalidInputError
+from gpumem.stats import StatsDict
 from gpumem.units import format_bytes
 
 if TYPE_CHECKING:
     from gpumem.manager.memory_manager import MemoryManager
 
-__all__ = ["memory_summary", "summary_data", "format_summary"]
+__all__ = ["memory_summary", "summary_data", "format_summary", "SummaryData"]
+
+
+class SummaryData(StatsDict):
+    """What :func:`summary_data` returns: a dict whose old keys still read, with a warning."""
+    what = "summary_data()"
+    renamed = {"allocations": "num_allocs", "frees": "num_frees", "hits": "pool_hits",
+               "misses": "pool_misses", "ooms": "num_ooms", "segments": "num_segments",
+               "fragmentation": "fragmentation_ratio"}
+
+
+class SegmentClassRow(StatsDict):
+    """One row of ``summary_data()["segments_by_class"]``."""
+    what = "summary_data()['segments_by_class'][i]"
+    renamed = {"segments": "num_segments", "free_bytes": "cached_bytes"}
 
 
 def _size_class(size: int) -> tuple[int, str]:
@@ -37,23 +55,27 @@ def _segments_by_class(segments: list[dict]) -> list[dict]:
     for seg in segments:
         upper, label = _size_class(seg["size"])
         key = (seg["pool"], upper)
-        row = rows.setdefault(key, {"pool": seg["pool"], "size_class": label, "segments": 0,
-                                    "reserved_bytes": 0, "in_use_bytes": 0, "free_bytes": 0})
-        row["segments"] += 1
+        row = rows.setdefault(key, SegmentClassRow(
+            pool=seg["pool"], size_class=label, num_segments=0, reserved_bytes=0,
+            in_use_bytes=0, cached_bytes=0))
+        row["num_segments"] += 1
         row["reserved_bytes"] += seg["size"]
         for b in seg["blocks"]:
-            if b["state"] == "free":
-                row["free_bytes"] += b["size"]
+            if b["state"] == "unmapped":         # a hole in an expandable segment: no memory
+                row["reserved_bytes"] -= b["size"]
+            elif b["state"] == "free":
+                row["cached_bytes"] += b["size"]
             else:                                 # allocated, or freed but waiting for streams
                 row["in_use_bytes"] += b["size"]
     return [rows[k] for k in sorted(rows)]
 
 
-def summary_data(manager: MemoryManager, *, top_tags: int = 5) -> dict[str, Any]:
+def summary_data(manager: MemoryManager, *, top_tags: int = 5) -> SummaryData:
     """The figures of :func:`memory_summary` as a plain dict."""
     if isinstance(top_tags, bool) or not isinstance(top_tags, int) or top_tags < 0:
         raise InvalidInputError(f"top_tags must be an int >= 0, got {top_tags!r}")
-    manager._check_open()
+    if manager.closed:
+        raise ClosedManagerError(f"the manager for {manager.device_string} is closed")
     st = manager.stats()
     try:
         free, total = manager.memory_info()
@@ -65,25 +87,25 @@ def summary_data(manager: MemoryManager, *, top_tags: int = 5) -> dict[str, Any]
         ranked = sorted(by_tag.items(), key=lambda kv: (-kv[1][1], str(kv[0])))[:top_tags]
         tags = [{"tag": "(untagged)" if t is None else str(t), "buffers": n, "bytes": b}
                 for t, (n, b) in ranked]
-    return {
+    return SummaryData({
         "device": st.device, "device_name": manager.device.properties().name,
         "device_free_bytes": free, "device_total_bytes": total,
         "usable_bytes": manager.usable_memory,
         "pressure": manager.pressure().name, "pressure_ratio": manager.pressure_ratio(),
-        "reserved_bytes": st.total_allocated_bytes, "peak_reserved_bytes": st.peak_reserved_bytes,
-        "in_use_bytes": st.in_use_bytes, "peak_in_use_bytes": st.peak_bytes,
-        "requested_bytes": st.requested_bytes, "cached_bytes": st.pooled_bytes,
+        "reserved_bytes": st.reserved_bytes, "peak_reserved_bytes": st.peak_reserved_bytes,
+        "in_use_bytes": st.in_use_bytes, "peak_in_use_bytes": st.peak_in_use_bytes,
+        "requested_bytes": st.requested_bytes, "cached_bytes": st.cached_bytes,
         "pending_free_bytes": st.pending_free_bytes,
         "largest_free_block": st.largest_free_block,
-        "fragmentation": st.fragmentation_ratio(), "active_buffers": st.active_buffers,
-        "allocations": st.num_allocs, "frees": st.num_frees, "hits": st.pool_hits,
-        "misses": st.pool_misses, "hit_rate": st.hit_rate(), "ooms": st.num_ooms,
+        "fragmentation_ratio": st.fragmentation_ratio(), "active_buffers": st.active_buffers,
+        "num_allocs": st.num_allocs, "num_frees": st.num_frees, "pool_hits": st.pool_hits,
+        "pool_misses": st.pool_misses, "hit_rate": st.hit_rate(), "num_ooms": st.num_ooms,
         "cpu_fallbacks": st.cpu_fallbacks, "fallback_bytes": st.fallback_bytes,
-        "segments": st.num_segments, "segments_created": st.segments_created,
+        "num_segments": st.num_segments, "segments_created": st.segments_created,
         "segments_released": st.segments_released,
         "segments_by_class": _segments_by_class(manager.pool.segments()),
         "top_tags": tags,
-    }
+    })
 
 
 def format_summary(d: dict[str, Any]) -> str:
@@ -104,7 +126,7 @@ def format_summary(d: dict[str, Any]) -> str:
         f"{'requested':<26}{fb(d['requested_bytes']):>16}",
         f"{'cached (free)':<26}{fb(d['cached_bytes']):>16}",
         f"{'largest free block':<26}{fb(d['largest_free_block']):>16}"
-        f"   fragmentation {d['fragmentation']:.1%}",
+        f"   fragmentation {d['fragmentation_ratio']:.1%}",
     ]
     if d["pending_free_bytes"]:
         lines.append(f"{'waiting for streams':<26}{fb(d['pending_free_bytes']):>16}")
@@ -112,19 +134,20 @@ def format_summary(d: dict[str, Any]) -> str:
         f"{'CPU fallbacks':<26}{d['cpu_fallbacks']:>16,d}   {fb(d['fallback_bytes'])} live "
         f"in host memory",
         rule,
-        f"allocations {d['allocations']:,}  frees {d['frees']:,}  live buffers "
-        f"{d['active_buffers']:,}  OOMs {d['ooms']:,}",
-        f"cache hits {d['hits']:,}  misses {d['misses']:,}  hit rate {d['hit_rate']:.1%}",
-        f"segments {d['segments']:,} (created {d['segments_created']:,}, released "
+        f"allocations {d['num_allocs']:,}  frees {d['num_frees']:,}  live buffers "
+        f"{d['active_buffers']:,}  OOMs {d['num_ooms']:,}",
+        f"cache hits {d['pool_hits']:,}  misses {d['pool_misses']:,}  hit rate "
+        f"{d['hit_rate']:.1%}",
+        f"segments {d['num_segments']:,} (created {d['segments_created']:,}, released "
         f"{d['segments_released']:,})",
         rule,
         f"{'pool':<7}{'segment size':<22}{'segments':>9}{'reserved':>12}{'in use':>12}"
-        f"{'free':>12}",
+        f"{'cached':>12}",
     ]
     for r in d["segments_by_class"]:
-        lines.append(f"{r['pool']:<7}{r['size_class']:<22}{r['segments']:>9,}"
+        lines.append(f"{r['pool']:<7}{r['size_class']:<22}{r['num_segments']:>9,}"
                      f"{fb(r['reserved_bytes']):>12}{fb(r['in_use_bytes']):>12}"
-                     f"{fb(r['free_bytes']):>12}")
+                     f"{fb(r['cached_bytes']):>12}")
     if not d["segments_by_class"]:
         lines.append("(no segments)")
     if d["top_tags"] is not None:

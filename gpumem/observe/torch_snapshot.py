@@ -23,13 +23,15 @@ an unpickler that refuses every other type (a pickle can otherwise run code).
 """
 from __future__ import annotations
 
+import itertools
 import os
 import pickle
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 import numpy as np
 
-from gpumem.errors import InvalidInputError
+from gpumem.errors import InvalidInputError, brief
+from gpumem.observe.safe_pickle import load_data_pickle
 
 if TYPE_CHECKING:
     from gpumem.observe.trace import TraceData
@@ -41,36 +43,49 @@ _SKIPPED_ACTIONS = ("free_requested", "segment_alloc", "segment_free", "segment_
                     "segment_unmap", "snapshot", "oom", "annotate")
 
 
-class _DataOnlyUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        raise InvalidInputError(
-            f"not a PyTorch memory snapshot: the pickle refers to {module}.{name}, and a "
-            f"snapshot holds only dicts, lists, strings and numbers")
-
-
 def load_torch_pickle(source: str | os.PathLike[str] | BinaryIO) -> Any:
-    """Unpickle a snapshot file (path or binary file object) without running any code."""
+    """Unpickle a snapshot file (path or binary file object) without running any code, with
+    time and memory proportional to the file's size (gpumem.observe.safe_pickle)."""
     name = os.fspath(source) if isinstance(source, (str, os.PathLike)) else \
         getattr(source, "name", "<snapshot>")
+    name = name if isinstance(name, str) else "<snapshot>"
     try:
         if isinstance(source, (str, os.PathLike)):
             with open(source, "rb") as f:
-                return _DataOnlyUnpickler(f).load()
-        return _DataOnlyUnpickler(source).load()
+                data = f.read()
+        else:
+            data = source.read()
     except FileNotFoundError:
         raise InvalidInputError(f"{name}: no such snapshot file") from None
-    except InvalidInputError as exc:
-        raise InvalidInputError(f"{name}: {exc}") from None
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError) as exc:
-        raise InvalidInputError(f"{name}: not a PyTorch memory snapshot (not a readable "
-                                f"pickle: {exc})") from None
+    except IsADirectoryError:
+        raise InvalidInputError(f"{name}: is a directory, not a snapshot file") from None
+    if not isinstance(data, bytes):
+        raise InvalidInputError(f"{name}: read() returned {type(data).__name__}; open the "
+                                f"snapshot in binary mode")
+    return load_data_pickle(data, name, what="a PyTorch memory snapshot")
+
+
+_INT64_MAX = (1 << 63) - 1
 
 
 def _int_field(entry: dict, key: str, where: str) -> int:
     value = entry.get(key)
     if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidInputError(f"{where}: {key!r} must be an int, got {value!r}")
+        raise InvalidInputError(f"{where}: {key!r} must be an int, got {brief(value)}")
+    if not 0 <= value <= _INT64_MAX:
+        raise InvalidInputError(f"{where}: {key!r} must be in [0, 2**63), got {brief(value)}")
     return value
+
+
+def _stream_field(entry: dict, where: str) -> str:
+    value = entry.get("stream", 0)
+    if isinstance(value, int) and not isinstance(value, bool) and \
+            -(1 << 63) <= value < (1 << 64):
+        return str(value)
+    if isinstance(value, str) and len(value) <= 64:
+        return value
+    raise InvalidInputError(f"{where}: 'stream' must be an int (a CUDA stream), got "
+                            f"{brief(value)}")
 
 
 def read_torch_snapshot(source: str | os.PathLike[str] | BinaryIO | dict, *,
@@ -93,10 +108,11 @@ def read_torch_snapshot(source: str | os.PathLike[str] | BinaryIO | dict, *,
     where = "<snapshot dict>" if isinstance(source, dict) else \
         os.fspath(source) if isinstance(source, (str, os.PathLike)) else \
         getattr(source, "name", "<snapshot>")
-    data = source if isinstance(source, dict) else load_torch_pickle(source)
+    from_file = isinstance(source, (str, os.PathLike)) or hasattr(source, "read")
+    data = load_torch_pickle(source) if from_file else source
     if not isinstance(data, dict) or "device_traces" not in data:
-        got = f"a dict with keys {sorted(map(str, data))[:8]}" if isinstance(data, dict) \
-            else type(data).__name__
+        got = f"a dict with keys {', '.join(brief(k) for k in itertools.islice(data, 8))}" \
+            if isinstance(data, dict) else brief(data)
         raise InvalidInputError(
             f"{where}: not a PyTorch memory snapshot (expected a dict with 'device_traces' "
             f"from torch.cuda.memory._snapshot(), got {got})")
@@ -134,11 +150,11 @@ def read_torch_snapshot(source: str | os.PathLike[str] | BinaryIO | dict, *,
     for k, e in enumerate(entries):
         at = f"{where}: device {device} event #{k}"
         if not isinstance(e, dict) or not isinstance(e.get("action"), str):
-            raise InvalidInputError(f"{at}: expected a dict with an 'action', got {e!r:.80}")
+            raise InvalidInputError(f"{at}: expected a dict with an 'action', got {brief(e)}")
         action = e["action"]
         if action not in ("alloc", "free_completed"):
             if action not in _SKIPPED_ACTIONS:
-                raise InvalidInputError(f"{at}: unknown action {action!r}")
+                raise InvalidInputError(f"{at}: unknown action {brief(action)}")
             skipped[action] = skipped.get(action, 0) + 1
             continue
         addr, size = _int_field(e, "addr", at), _int_field(e, "size", at)
@@ -172,10 +188,13 @@ def read_torch_snapshot(source: str | os.PathLike[str] | BinaryIO | dict, *,
         else:
             t0 = t if t0 is None else t0     # t_ns is 0 at the first event kept
             when = (t - t0) * 1000
+            if not -_INT64_MAX <= when <= _INT64_MAX:
+                raise InvalidInputError(f"{at}: 'time_us' {t} is {t - t0} us after the first "
+                                        f"event: past 2**63 ns")
         t_ns.append(when)
         ids.append(new_id)
         sizes.append(size)
-        streams.append(str(e.get("stream", 0)))
+        streams.append(_stream_field(e, at))
     if not ops:
         raise InvalidInputError(f"{where}: device {device}'s trace has no alloc events")
     n = len(ops)

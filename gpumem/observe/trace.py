@@ -26,13 +26,14 @@ import io
 import json
 import os
 import zlib
+from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Iterable, Iterator, NamedTuple, Sequence, Union
 
 import numpy as np
 
-from gpumem.errors import InvalidInputError, TraceFormatError
+from gpumem.errors import InvalidInputError, TraceFormatError, brief
 
 __all__ = ["TraceEvent", "Phase", "TraceData", "read_trace", "write_trace", "load_phases",
            "HEADER", "OP_ALLOC", "OP_FREE"]
@@ -42,6 +43,10 @@ HEADER = ("t_ns", "op", "id", "size")
 OP_ALLOC = 0
 OP_FREE = 1
 _GZIP_MAGIC = b"\x1f\x8b"
+_INT64 = (-(1 << 63), 1 << 63)
+#: a gzip trace may inflate this many times its size (plus 1 MiB): reading a file of N bytes
+#: then takes time and memory proportional to N, whatever it holds (docs/testing.md)
+MAX_EXPANSION = 64
 
 PathOrFile = Union[str, "os.PathLike[str]", IO[str], IO[bytes]]
 
@@ -284,6 +289,7 @@ def _open_text(source: PathOrFile) -> tuple[IO[str], str, str | None, list]:
     head = raw.read(2)
     raw.seek(0)
     if head == _GZIP_MAGIC:
+        _check_expansion(raw, name)
         binary: IO[bytes] = gzip.GzipFile(fileobj=raw, mode="rb")
         to_close.append(binary)
     else:
@@ -291,6 +297,27 @@ def _open_text(source: PathOrFile) -> tuple[IO[str], str, str | None, list]:
     text = io.TextIOWrapper(binary, encoding="utf-8", newline="")
     to_close.insert(0, text)
     return text, name, path, to_close
+
+
+def _check_expansion(raw: IO[bytes], name: str) -> None:
+    """Refuse a gzip stream that inflates past MAX_EXPANSION times its size (a decompression
+    bomb), counting without keeping anything; corrupt data is left to the reader (it names
+    the line)."""
+    size = raw.seek(0, io.SEEK_END)
+    raw.seek(0)
+    limit = MAX_EXPANSION * size + (1 << 20)
+    total = 0
+    try:
+        with gzip.GzipFile(fileobj=raw, mode="rb") as gz:
+            while chunk := gz.read(1 << 20):
+                total += len(chunk)
+                if total > limit:
+                    raise TraceFormatError(
+                        f"{name}: the gzip data inflates more than {MAX_EXPANSION}-fold (real "
+                        f"traces: under 10-fold); refused as a decompression bomb")
+    except (EOFError, gzip.BadGzipFile, zlib.error, OSError):
+        pass
+    raw.seek(0)
 
 
 def read_trace(source: PathOrFile, *, phases: bool = True) -> TraceData:
@@ -318,21 +345,20 @@ def read_trace(source: PathOrFile, *, phases: bool = True) -> TraceData:
             cols[0] = cols[0][1:]
         if tuple(cols[:4]) != HEADER:
             raise TraceFormatError(
-                f"{name}:1: bad header {','.join(header)!r}; the first columns must be "
+                f"{name}:1: bad header {brief(','.join(header))}; the first columns must be "
                 f"'{','.join(HEADER)}'")
         extra_names = cols[4:]
         if len(set(extra_names)) != len(extra_names) or any(not c for c in extra_names):
             raise TraceFormatError(f"{name}:1: extra column names must be unique and non-empty, "
                                    f"got {extra_names}")
         ncols = len(cols)
-        t_list: list[int] = []
-        op_list: list[int] = []
-        id_list: list[int] = []
-        size_list: list[int] = []
+        # 8 bytes a value, not a Python int each: memory stays a small multiple of the file
+        t_col, id_col, size_col = array("q"), array("q"), array("q")
+        op_col = bytearray()
         extra_cols: list[list[str]] = [[] for _ in extra_names]
         live: dict[int, int] = {}
-        append_t, append_o, append_i, append_s = (t_list.append, op_list.append, id_list.append,
-                                                  size_list.append)
+        append_t, append_o, append_i, append_s = (t_col.append, op_col.append, id_col.append,
+                                                  size_col.append)
         try:
             for row in reader:
                 line = reader.line_num
@@ -342,7 +368,7 @@ def read_trace(source: PathOrFile, *, phases: bool = True) -> TraceData:
                     if len(row) < 4:
                         raise TraceFormatError(
                             f"{name}:{line}: expected {ncols} columns "
-                            f"({','.join(cols)}), got {len(row)}: {','.join(row)!r}")
+                            f"({','.join(cols)}), got {len(row)}: {brief(','.join(row))}")
                     if len(row) > ncols:
                         raise TraceFormatError(
                             f"{name}:{line}: {len(row)} columns but the header has {ncols}")
@@ -352,18 +378,20 @@ def read_trace(source: PathOrFile, *, phases: bool = True) -> TraceData:
                     t = int(t)
                 except ValueError:
                     raise TraceFormatError(
-                        f"{name}:{line}: t_ns must be an integer, got {row[0]!r}") from None
+                        f"{name}:{line}: t_ns must be an integer, got {brief(row[0])}") from None
                 try:
                     i = int(i)
                 except ValueError:
                     raise TraceFormatError(
-                        f"{name}:{line}: id must be an integer, got {row[2]!r}") from None
+                        f"{name}:{line}: id must be an integer, got {brief(row[2])}") from None
                 try:
                     s = int(s)
                 except ValueError:
                     raise TraceFormatError(
-                        f"{name}:{line}: size must be a non-negative integer, got {row[3]!r}"
-                    ) from None
+                        f"{name}:{line}: size must be a non-negative integer, got "
+                        f"{brief(row[3])}") from None
+                if not (_INT64[0] <= t < _INT64[1] and i < _INT64[1] and s < _INT64[1]):
+                    raise TraceFormatError(f"{name}:{line}: a value does not fit in 64 bits")
                 if s < 0:
                     raise TraceFormatError(
                         f"{name}:{line}: size must be a non-negative integer, got {s}")
@@ -388,8 +416,8 @@ def read_trace(source: PathOrFile, *, phases: bool = True) -> TraceData:
                             f"allocated with size {was}")
                     append_o(OP_FREE)
                 else:
-                    raise TraceFormatError(
-                        f"{name}:{line}: unknown op {op!r}; expected 'a' (alloc) or 'f' (free)")
+                    raise TraceFormatError(f"{name}:{line}: unknown op {brief(op)}; expected "
+                                           f"'a' (alloc) or 'f' (free)")
                 append_t(t)
                 append_i(i)
                 append_s(s)
@@ -409,13 +437,8 @@ def read_trace(source: PathOrFile, *, phases: bool = True) -> TraceData:
                 obj.close()
             except Exception:
                 pass
-    try:
-        t_arr = np.array(t_list, dtype=np.int64)
-        s_arr = np.array(size_list, dtype=np.int64)
-        i_arr = np.array(id_list, dtype=np.int64)
-    except OverflowError:
-        raise TraceFormatError(f"{name}: a value does not fit in 64 bits") from None
-    data = TraceData(t_arr, np.array(op_list, dtype=np.uint8), i_arr, s_arr,
+    data = TraceData(np.frombuffer(t_col, np.int64), np.frombuffer(op_col, np.uint8),
+                     np.frombuffer(id_col, np.int64), np.frombuffer(size_col, np.int64),
                      name=os.path.basename(name) if path else name, path=path,
                      extra=dict(zip(extra_names, extra_cols)))
     if phases and path is not None:
@@ -452,6 +475,9 @@ def _load_sidecar(path: str) -> dict | None:
         meta = json.loads(side.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         raise TraceFormatError(f"{side}: cannot read the trace's metadata: {exc}") from None
+    except RecursionError:      # json's decoder recurses once per level of nesting
+        raise TraceFormatError(f"{side}: cannot read the trace's metadata: nested too "
+                               f"deeply") from None
     if not isinstance(meta, dict):
         raise TraceFormatError(f"{side}: the metadata must be a JSON object")
     return meta
@@ -464,10 +490,12 @@ def _phases_from(meta: dict, where: str, n_events: int | None) -> list[Phase]:
     out = []
     for k, p in enumerate(raw):
         try:
+            if not isinstance(p["name"], (str, int)):
+                raise TypeError("a phase's name is a string")
             ph = Phase(str(p["name"]), int(p["first_row"]), int(p["end_row"]))
-        except (KeyError, TypeError, ValueError):
+        except (KeyError, TypeError, ValueError, OverflowError):
             raise TraceFormatError(f"{where}: phase #{k} needs name, first_row and end_row, "
-                                   f"got {p!r}") from None
+                                   f"got {brief(p)}") from None
         if ph.first_row < 0 or ph.end_row < ph.first_row or (
                 n_events is not None and ph.end_row > n_events):
             raise TraceFormatError(f"{where}: phase {ph.name!r} has bad rows "

@@ -52,6 +52,7 @@ log = logging.getLogger("gpumem")
 _PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _INTERNAL_FILES = frozenset(os.path.join(_PKG_DIR, f) for f in (
     "manager/memory_manager.py", "manager/miss_path.py", "manager/stream_book.py",
+    "manager/growth.py",
     "manager/expandable.py", "manager/fallback.py", "manager/batch.py", "manager/pressure.py",
     "observe/tracking.py", "observe/history.py", "observe/replay.py", "placement/multi.py"))
 MAX_STACK_DEPTH = 16
@@ -181,7 +182,7 @@ class AllocationTracker:
         all_live: set[tuple[str, int]] = set()
         with self._lock:
             known, ignored = dict(self._times), set(self._ignored)
-        for location, owner in (("device", mgr), ("cpu", mgr._host)):
+        for location, owner in (("device", mgr), ("cpu", mgr.fallback_manager)):
             if owner is None:
                 continue
             blocks = [(b["id"], b["requested"], b["stream"]) for seg in owner.pool.segments()
@@ -234,8 +235,8 @@ class AllocationTracker:
         if self._ignored or mgr.pending_free_count:
             return len(self._entries())
         n = mgr.pool.counters()["active_blocks"] + len(self._live)
-        if mgr._host is not None:
-            n += mgr._host.pool.counters()["active_blocks"]
+        if mgr.fallback_manager is not None:
+            n += mgr.fallback_manager.pool.counters()["active_blocks"]
         return n
 
     def total_bytes(self) -> int:
@@ -246,8 +247,8 @@ class AllocationTracker:
         if self._ignored or mgr.pending_free_count:
             return sum(m.nbytes for m in self._entries())
         n = mgr.pool.counters()["requested_bytes"] + self._bytes
-        if mgr._host is not None:
-            n += mgr._host.pool.counters()["requested_bytes"]
+        if mgr.fallback_manager is not None:
+            n += mgr.fallback_manager.pool.counters()["requested_bytes"]
         return n
 
     def __len__(self) -> int:
@@ -270,8 +271,8 @@ class AllocationTracker:
             return 0, 0
         a, f = _counts(mgr)
         a0, f0 = self._base["device"]
-        if mgr._host is not None:
-            ha, hf = _counts(mgr._host)
+        if mgr.fallback_manager is not None:
+            ha, hf = _counts(mgr.fallback_manager)
             a, f = a + ha, f + hf
         return a - a0, f - f0
 

@@ -30,13 +30,13 @@ import itertools
 import threading
 from typing import Any, Callable, Hashable, Iterable, Sequence
 
-from gpumem._core.buffer import Buffer, PlacementCore
+from gpumem._core.buffer import Buffer
+from gpumem._core.manager_core import PlacementCore
 from gpumem.config import MemoryConfig
 from gpumem.errors import (ClosedManagerError, ForeignBufferError, InvalidDeviceError,
                            InvalidInputError)
 from gpumem.manager.fallback import FallbackBuffer
 from gpumem.manager.memory_manager import MemoryManager
-from gpumem.manager.measure import manager_peaks
 from gpumem.stats import MemoryStats
 
 __all__ = ["MultiDeviceManager", "PlacementPolicy", "POLICIES"]
@@ -47,12 +47,11 @@ PlacementPolicy = Callable[[Sequence[MemoryManager], int], int]
 #: The built-in policy names.
 POLICIES = ("most_free", "least_pressure", "round_robin")
 
-_GPU_BACKENDS = ("cuda", "opencl", "sim")
-
-
 def _available_devices() -> list[str]:
-    from gpumem.backends import devices
-    return [d.device for d in devices() if d.available and d.backend in _GPU_BACKENDS]
+    """Every available device whose memory is not the host's (accelerators, installed
+    simulated devices)."""
+    from gpumem.backends import DeviceKind, devices
+    return [d.device for d in devices() if d.available and d.kind is not DeviceKind.HOST]
 
 
 class MultiDeviceManager(PlacementCore):
@@ -209,14 +208,14 @@ class MultiDeviceManager(PlacementCore):
         if name is not None:
             mgr = self._affinity.get(name)
             if mgr is not None:
-                if mgr._closed:
+                if mgr.closed:
                     raise ClosedManagerError(
                         f"{name!r} is pinned to {mgr.device_string}, whose manager is closed; "
                         f"unpin({name!r}) to place it again")
                 return mgr.malloc(nbytes, stream=stream, tag=tag)
         if type(nbytes) is not int or nbytes < 0:
             nbytes = self._size(nbytes)           # a bad size changes nothing (round robin)
-        if any(m._closed for m in self._active):
+        if any(m.closed for m in self._active):
             self._refresh()
         mgr = self._choose(nbytes)
         buf = mgr.malloc(nbytes, stream=stream, tag=tag)
@@ -240,10 +239,8 @@ class MultiDeviceManager(PlacementCore):
     def _free_other(self, buf: Buffer | FallbackBuffer) -> None:
         """free() for what PlacementCore.free does not handle at C speed: fallback buffers,
         foreign buffers (an error) and wrong types."""
-        if isinstance(buf, Buffer):
+        if isinstance(buf, (Buffer, FallbackBuffer)):
             mgr = buf.manager
-        elif isinstance(buf, FallbackBuffer):
-            mgr = buf._manager
         else:
             raise TypeError(f"free() takes a gpumem Buffer, got {type(buf).__name__}")
         if self._by_device.get(mgr.device_string) is not mgr:
@@ -310,9 +307,8 @@ class MultiDeviceManager(PlacementCore):
         upper bound: the devices may have peaked at different times."""
         allocated = peak = 0
         for m in self._managers:
-            c = m.pool.counters()
-            allocated += c["in_use_bytes"]
-            peak += manager_peaks(m, c)[0]
+            allocated += m.pool.in_use_bytes
+            peak += m.peaks()[0]
         return allocated, peak
 
     def emergency_cleanup_all(self) -> int:

@@ -28,6 +28,8 @@ import threading
 import weakref
 from typing import TYPE_CHECKING, Hashable
 
+from gpumem.backends.base import DeviceKind
+
 if TYPE_CHECKING:
     from gpumem.backends import Device
     from gpumem.manager.memory_manager import MemoryManager
@@ -44,8 +46,8 @@ def _device_key(device: Device) -> Hashable:
     """Managers with equal keys share driver memory. A simulated device is an object of its own
     (two SimDevices may both have been "sim:0"), so it is keyed by identity; a real device is
     named by its string within a process. The key holds no reference to the device."""
-    if device.backend == "sim":
-        return ("sim", id(device))
+    if device.kind is DeviceKind.SIMULATED:
+        return ("simulated", id(device))
     return device.device_string
 
 
@@ -75,17 +77,12 @@ def release_peer_caches(manager: MemoryManager) -> int:
     wholly free cached segments; the bytes they gave back to the driver."""
     released = 0
     for peer in peers_of(manager):
-        if not peer._slow.acquire(blocking=False):
-            continue                              # busy in its own slow path: never wait on it
-        try:
-            if not peer.closed:
-                released += peer._release_cached(
-                    reason=f"a peer manager on {manager.device_string} is out of memory")
+        try:                                      # a peer busy in its slow path gives 0 at once
+            released += peer.release_idle_cache(
+                reason=f"a peer manager on {manager.device_string} is out of memory")
         except Exception as exc:  # one peer's driver failure must not fail this allocation
             log.warning("%s: a peer manager could not release its cache: %s",
                         manager.device_string, exc)
-        finally:
-            peer._slow.release()
     if released:
         log.info("%s: peer managers released %d bytes of cached segments",
                  manager.device_string, released)

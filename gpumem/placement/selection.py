@@ -15,15 +15,13 @@ import operator
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from gpumem.backends import Device, get_backend, holds_host_memory, open_device
+from gpumem.backends import Device, DeviceKind, backend_names, get_backend, open_device
 from gpumem.config import MemoryConfig
 from gpumem.errors import InvalidDeviceError, InvalidInputError, OutOfMemoryError
 from gpumem.planning.estimate import MemoryEstimate
 from gpumem.units import format_bytes
 
 __all__ = ["DeviceRoom", "device_room", "select_backend_for_model"]
-
-_GPU_BACKENDS = ("cuda", "opencl", "sim")
 
 
 @dataclass(frozen=True)
@@ -82,7 +80,7 @@ def _room(dev: Device, cfg: MemoryConfig) -> DeviceRoom:
     room = max(0, min(usable, free - cfg.min_free_bytes))
     return DeviceRoom(device=dev.device_string, backend=dev.backend, index=dev.index,
                       free=free, total=total, usable=usable, room=room,
-                      host_memory=holds_host_memory(dev))
+                      host_memory=dev.holds_host_memory)
 
 
 def _requested(total_bytes: Any) -> int:
@@ -103,9 +101,11 @@ def _open_all(devices: Iterable[str | Device] | None) -> list[tuple[Device, bool
     out: list[tuple[Device, bool]] = []
     try:
         if devices is None:
-            for name in _GPU_BACKENDS:
+            for name in backend_names():     # every backend whose memory is not the host's
                 try:
                     backend = get_backend(name)
+                    if backend.kind is DeviceKind.HOST:
+                        continue
                     ok, _ = backend.availability()
                     if not ok:
                         continue

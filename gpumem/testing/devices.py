@@ -12,10 +12,12 @@ import contextlib
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
-from gpumem.errors import GpuMemoryError, InvalidInputError
+from gpumem.backends import (DeviceKind, backend_names, canonical_device, get_backend,
+                             open_device)
+from gpumem.errors import GpuMemoryError, InvalidDeviceError, InvalidInputError
 from gpumem.units import format_bytes, parse_size
 
-__all__ = ["ENV_VAR", "DEFAULT_DEVICES", "BACKENDS", "DeviceSpec", "parse_device_specs",
+__all__ = ["ENV_VAR", "DEFAULT_DEVICES", "DeviceSpec", "parse_device_specs", "backend_choices",
            "map_to_backend", "GpumemDevices", "DevicesUnavailable", "install_devices",
            "FaultInjector"]
 
@@ -23,8 +25,6 @@ __all__ = ["ENV_VAR", "DEFAULT_DEVICES", "BACKENDS", "DeviceSpec", "parse_device
 ENV_VAR = "GPUMEM_TEST_DEVICES"
 #: What a test gets when neither the option, the variable nor its marker names devices.
 DEFAULT_DEVICES = "sim:16GiB"
-#: Backends ``--gpumem-backend`` accepts.
-BACKENDS = ("sim", "cuda", "opencl", "cpu")
 #: The keyword arguments of SimDevice.inject that a marker's ``faults=`` may use.
 FAULT_KEYS = ("fail_after", "fail_rate", "fail_free", "fail_kind", "seed")
 
@@ -40,10 +40,16 @@ class DeviceSpec(NamedTuple):
         return self.device if self.device is not None else f"sim:{format_bytes(self.capacity)}"
 
 
+def _kind(backend: str) -> DeviceKind | None:
+    """The registered backend's kind, None for a name no backend has."""
+    return get_backend(backend).kind if backend in backend_names() else None
+
+
 def parse_device_specs(text: str, *, what: str = "--gpumem-devices") -> list[DeviceSpec]:
     """``"sim:16GiB, sim:8GiB"`` -> two simulated devices; ``"cuda:0"``, ``"opencl:1"``,
-    ``"cpu"`` name real devices. A simulated device needs a capacity (``sim:0`` would be a
-    device of 0 bytes). Raises InvalidInputError naming `what` and the bad item."""
+    ``"cpu"`` (any registered backend's device string) name real devices. A simulated device
+    needs a capacity (``sim:0`` would be a device of 0 bytes). Raises InvalidInputError naming
+    `what` and the bad item."""
     if not isinstance(text, str):
         raise InvalidInputError(f"{what} must be a string such as 'sim:16GiB,sim:8GiB', got "
                                 f"{type(text).__name__} {text!r}")
@@ -51,8 +57,8 @@ def parse_device_specs(text: str, *, what: str = "--gpumem-devices") -> list[Dev
     for i, raw in enumerate(text.split(",")):
         item = raw.strip()
         backend, _, arg = item.partition(":")
-        backend = backend.strip().lower()
-        if backend == "sim":
+        kind = _kind(backend.strip().lower())
+        if kind is DeviceKind.SIMULATED:
             try:
                 capacity = parse_size(arg.strip(), what="capacity")
             except InvalidInputError as exc:
@@ -62,34 +68,45 @@ def parse_device_specs(text: str, *, what: str = "--gpumem-devices") -> list[Dev
                 raise InvalidInputError(f"{what}={text!r}: item {i} {item!r} has no capacity; a "
                                         f"simulated device is 'sim:SIZE', e.g. 'sim:16GiB'")
             specs.append(DeviceSpec(capacity, None))
-        elif backend in ("cuda", "opencl") and arg.strip().isdigit():
-            specs.append(DeviceSpec(None, f"{backend}:{int(arg)}"))
-        elif backend == "cpu" and not arg.strip():
-            specs.append(DeviceSpec(None, "cpu"))
-        else:
+            continue
+        try:
+            device = canonical_device(item) if kind is not None else None
+        except InvalidDeviceError:
+            device = None
+        if device is None:
             raise InvalidInputError(
                 f"{what}={text!r}: item {i} {item!r} is not a device; expected comma-separated "
                 f"'sim:SIZE' (e.g. 'sim:16GiB'), 'cuda:N', 'opencl:N' or 'cpu'")
+        specs.append(DeviceSpec(None, device))
     return specs
 
 
+def backend_choices() -> list[str]:
+    """Backend names for --gpumem-backend: the simulated ones (the default) first."""
+    names = backend_names()
+    return sorted(names, key=lambda n: _kind(n) is not DeviceKind.SIMULATED)
+
+
 def check_backend(backend: str, *, what: str = "--gpumem-backend") -> str:
-    if not isinstance(backend, str) or backend.strip().lower() not in BACKENDS:
-        raise InvalidInputError(f"{what} must be one of {', '.join(BACKENDS)}; got {backend!r}")
+    names = backend_choices()
+    if not isinstance(backend, str) or backend.strip().lower() not in names:
+        raise InvalidInputError(f"{what} must be one of {', '.join(names)}; got {backend!r}")
     return backend.strip().lower()
 
 
 def map_to_backend(specs: Sequence[DeviceSpec], backend: str) -> list[DeviceSpec]:
-    """The specs with the i-th simulated device replaced by ``backend``'s device i (``"cpu"``
-    for cpu); real devices are kept. ``backend="sim"`` changes nothing."""
+    """The specs with the i-th simulated device replaced by ``backend``'s device i (a host
+    backend has one device, ``"cpu"``); real devices are kept. A simulated backend
+    (``"sim"``) changes nothing."""
     backend = check_backend(backend)
-    if backend == "sim":
+    kind = _kind(backend)
+    if kind is DeviceKind.SIMULATED:
         return list(specs)
     out, i = [], 0
     for spec in specs:
         if spec.device is None:
-            spec = DeviceSpec(None, "cpu" if backend == "cpu" else f"{backend}:{i}")
-            i += 1
+            spec = DeviceSpec(None, canonical_device(f"{backend}:{i}"))
+            i += kind is not DeviceKind.HOST
         out.append(spec)
     return out
 
@@ -103,9 +120,14 @@ class GpumemDevices(Sequence[str]):
     """The device strings of one test (``devices[0] == "sim:0"``...), with ``sim``: the
     :class:`gpumem_sim.SimDevice` objects installed for it (empty on a real backend)."""
 
-    def __init__(self, strings: Sequence[str], sim: Sequence[Any]) -> None:
+    def __init__(self, strings: Sequence[str], sim: Sequence[Any],
+                 sim_at: Sequence[Any] | None = None) -> None:
+        """``sim_at``: per string, its SimDevice or None for a real device (default: the
+        first ``len(sim)`` strings are the simulated ones)."""
         self._strings = tuple(strings)
         self.sim = tuple(sim)
+        self._sim_at = (tuple(sim_at) if sim_at is not None
+                        else self.sim + (None,) * (len(self._strings) - len(self.sim)))
 
     def __getitem__(self, i):  # type: ignore[override]
         return self._strings[i]
@@ -131,11 +153,10 @@ class GpumemDevices(Sequence[str]):
         else:
             raise InvalidInputError(f"device must be an index below {len(self)} or one of "
                                     f"{list(self._strings)}; got {device!r}")
-        name = self._strings[index]
-        if not name.startswith("sim:"):
-            raise InvalidInputError(f"{name} is a real device: faults can only be injected into "
-                                    f"simulated devices")
-        return self.sim[int(name.partition(":")[2])]
+        if self._sim_at[index] is None:
+            raise InvalidInputError(f"{self._strings[index]} is a real device: faults can only "
+                                    f"be injected into simulated devices")
+        return self._sim_at[index]
 
     def __repr__(self) -> str:
         return f"GpumemDevices({list(self._strings)!r})"
@@ -147,7 +168,6 @@ def install_devices(specs: Sequence[DeviceSpec]) -> Iterator[GpumemDevices]:
     by host memory) and check that the real ones exist; the previous simulated devices come
     back on exit. Raises DevicesUnavailable when a real device is missing."""
     import gpumem_sim
-    from gpumem.backends import open_device
 
     for spec in specs:
         if spec.device is not None:
@@ -156,15 +176,17 @@ def install_devices(specs: Sequence[DeviceSpec]) -> Iterator[GpumemDevices]:
             except GpuMemoryError as exc:
                 raise DevicesUnavailable(f"{spec.device} is not available here: {exc}") from None
     sims = [gpumem_sim.SimDevice(s.capacity, back_memory=True) for s in specs if s.device is None]
-    strings, k = [], 0
+    strings, sim_at, k = [], [], 0
     for spec in specs:
         if spec.device is None:
             strings.append(f"sim:{k}")
+            sim_at.append(sims[k])
             k += 1
         else:
             strings.append(spec.device)
+            sim_at.append(None)
     with gpumem_sim.using(*sims):
-        yield GpumemDevices(strings, sims)
+        yield GpumemDevices(strings, sims, sim_at)
 
 
 class FaultInjector:

@@ -13,9 +13,10 @@ from typing import Any, Iterator, NamedTuple
 import pytest
 
 from gpumem.errors import InvalidInputError
-from gpumem.testing.devices import (BACKENDS, DEFAULT_DEVICES, ENV_VAR, DevicesUnavailable,
-                                    DeviceSpec, FaultInjector, GpumemDevices, check_backend,
-                                    install_devices, map_to_backend, parse_device_specs)
+from gpumem.testing.devices import (DEFAULT_DEVICES, ENV_VAR, DevicesUnavailable, DeviceSpec,
+                                    FaultInjector, GpumemDevices, backend_choices,
+                                    check_backend, install_devices, map_to_backend,
+                                    parse_device_specs)
 from gpumem.testing.leaks import close_shared_managers_on, leak_report, shared_managers_on
 
 MARKER_KEYS = ("devices", "faults", "config")
@@ -36,7 +37,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                          f"${ENV_VAR}; default {DEFAULT_DEVICES})")
     group.addoption("--gpumem-backend", default="sim", metavar="NAME",
                     help=f"run the simulated devices on this backend instead: one of "
-                         f"{', '.join(BACKENDS)} (default sim)")
+                         f"{', '.join(backend_choices())} (default sim)")
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -31,7 +31,7 @@ from gpumem.backends import opencl as opencl_mod
 from gpumem.backends.base import DeviceProperties
 from gpumem.errors import (BackendUnavailableError, DriverError, DriverOutOfMemory,
                            InvalidDeviceError, InvalidInputError)
-from invariants import check, selected_backends
+from invariants import check, run_threads, selected_backends
 
 REAL = ("cpu", "opencl", "cuda")
 MODULES = {"cpu": host_mod, "opencl": opencl_mod, "cuda": cuda_mod}
@@ -575,26 +575,18 @@ def test_describe_rows(backend):
 
 
 def test_threads_share_a_device(device):
-    errors: list[BaseException] = []
 
     def work(seed: int) -> None:
         rng = random.Random(seed)
-        try:
-            for _ in range(25):
-                n = rng.randrange(1, 64) * 256
-                h, _ = device.alloc_segment(n)
-                data = bytes([seed]) * n
-                device.copy_from_host(h, 0, memoryview(data))
-                assert _read(device, h, 0, n) == data
-                device.free_segment(h)
-        except BaseException as exc:       # reported by the main thread
-            errors.append(exc)
+        for _ in range(25):
+            n = rng.randrange(1, 64) * 256
+            h, _ = device.alloc_segment(n)
+            data = bytes([seed]) * n
+            device.copy_from_host(h, 0, memoryview(data))
+            assert _read(device, h, 0, n) == data
+            device.free_segment(h)
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    errors = run_threads(work, range(8))
     assert not errors, errors
 
 

@@ -10,7 +10,6 @@ import pytest
 
 from gpumem.backends import cuda as cuda_mod
 from gpumem.errors import DriverError, DriverOutOfMemory, InvalidInputError
-from test_cuda_fake_driver import fake  # noqa: F401  (the fixture)
 
 MiB = 1 << 20
 G = 2 * MiB          # the fake's granularity

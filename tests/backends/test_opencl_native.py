@@ -10,13 +10,12 @@ of another live buffer, and never a reference to a segment the pool has given ba
 from __future__ import annotations
 
 import gc
-import threading
 
 import numpy as np
 import pytest
 
 from gpumem.errors import ClosedManagerError, InvalidInputError
-from invariants import check, require_backend, selected_backends
+from invariants import check, require_backend, run_threads, selected_backends
 
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -214,25 +213,16 @@ def test_close_clears_the_cache_and_native_refuses():
 
 def test_threads_get_their_own_blocks(env):
     cl, mm, prg = env
-    errors = []
-
     def work(value):
-        try:
-            for _ in range(200):
-                b = mm.malloc(4 * KiB)
-                assert b.native.size == 4 * KiB
-                fill(cl, mm, prg, b, value)
-                w = words(b)
-                assert (w == value).all(), f"thread {value} saw {set(w.tolist())}"
-                b.free()
-        except BaseException as exc:      # reported by the main thread
-            errors.append(exc)
+        for _ in range(200):
+            b = mm.malloc(4 * KiB)
+            assert b.native.size == 4 * KiB
+            fill(cl, mm, prg, b, value)
+            w = words(b)
+            assert (w == value).all(), f"thread {value} saw {set(w.tolist())}"
+            b.free()
 
-    threads = [threading.Thread(target=work, args=(v,)) for v in (1, 2, 3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    errors = run_threads(work, (1, 2, 3))
     assert not errors, errors[0]
     gc.collect()
     check(mm)

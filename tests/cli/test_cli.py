@@ -111,11 +111,11 @@ def test_replay_too_small_device_exits_2(capsys):
 
 def test_replay_errors(capsys, tmp_path):
     code, out, err = run(capsys, "replay", str(tmp_path / "missing.csv"))
-    assert code == 1 and "no such trace file" in _one_error_line(err)
+    assert code == 2 and "no such trace file" in _one_error_line(err)
     bad = tmp_path / "bad.csv.gz"
     bad.write_bytes(gzip.compress(b"t_ns,op,id,size\n0,a,0,8\n1,f,3,8\n"))
     code, out, err = run(capsys, "replay", str(bad))
-    assert code == 1 and "bad.csv.gz:3: free of unknown id 3" in _one_error_line(err)
+    assert code == 2 and "bad.csv.gz:3: free of unknown id 3" in _one_error_line(err)
     code, out, err = run(capsys, "replay", "demo", "--device", "warp:0")
     assert code == 1 and "warp:0" in _one_error_line(err)
     code, out, err = run(capsys, "replay", "demo", "--phase", "step7")
@@ -195,7 +195,7 @@ def test_python_m_gpumem_errors_are_one_line(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(REPO))
     r = subprocess.run([sys.executable, "-m", "gpumem", "replay", str(tmp_path / "x.csv")],
                        capture_output=True, text=True, cwd=REPO, env=env, timeout=120)
-    assert r.returncode == 1
+    assert r.returncode == 2                            # a trace that cannot be read
     assert r.stderr.strip().startswith("gpumem: error:") and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
     r = subprocess.run([sys.executable, "-m", "gpumem", "info"], capture_output=True,

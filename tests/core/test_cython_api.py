@@ -3,20 +3,14 @@
 threads at once (as numpy's test_extending does for numpy.random)."""
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
 import textwrap
 import threading
-from pathlib import Path
 
 import pytest
 
-import gpumem
+from cython_build import build_extension
 from invariants import check
 
-REPO_ROOT = Path(gpumem.__file__).resolve().parent.parent
 MiB = 1 << 20
 
 PYX = textwrap.dedent("""
@@ -90,37 +84,9 @@ PYX = textwrap.dedent("""
                  GM_BAD_BLOCK=GM_BAD_BLOCK)
 """)
 
-SETUP = textwrap.dedent("""
-    import sys
-    from Cython.Build import cythonize
-    from setuptools import Extension, setup
-
-    root = sys.argv.pop(1)
-    ext = Extension("gm_downstream", ["gm_downstream.pyx"], language="c++",
-                    include_dirs=[root], extra_compile_args=["-std=c++17", "-O1"])
-    setup(name="gm_downstream", ext_modules=cythonize(
-        [ext], include_path=[root], compiler_directives={"language_level": "3"}, quiet=True))
-""")
-
-
 @pytest.fixture(scope="module")
 def downstream(tmp_path_factory):
-    if os.name == "nt":
-        pytest.skip("the test build uses a Unix C++ compiler flag")
-    d = tmp_path_factory.mktemp("cython_api")
-    (d / "gm_downstream.pyx").write_text(PYX)
-    (d / "setup.py").write_text(SETUP)
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
-    proc = subprocess.run([sys.executable, "setup.py", str(REPO_ROOT), "build_ext", "--inplace"],
-                          cwd=d, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"building the downstream extension failed:\n{proc.stdout}\n" \
-                                 f"{proc.stderr}"
-    (so,) = [p for p in d.iterdir() if p.name.startswith("gm_downstream") and
-             p.suffix in (".so", ".pyd")]
-    spec = importlib.util.spec_from_file_location("gm_downstream", so)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return build_extension(tmp_path_factory.mktemp("cython_api"), PYX)
 
 
 @pytest.mark.slow
@@ -133,10 +99,10 @@ def test_nogil_hits_on_a_warmed_pool(downstream, manager):
     assert ok == 10_000
     assert first == ptr                                  # the same block the Python side had
     after = manager.pool.counters()
-    assert after["hits"] - before["hits"] == 10_000
+    assert after["pool_hits"] - before["pool_hits"] == 10_000
     assert after["num_allocs"] - before["num_allocs"] == 10_000
     assert after["num_frees"] - before["num_frees"] == 10_000
-    assert after["misses"] == before["misses"] and after["reserved_bytes"] == 2 * MiB
+    assert after["pool_misses"] == before["pool_misses"] and after["reserved_bytes"] == 2 * MiB
     check(manager, [])
     # the Python side keeps working on the same pool
     c = manager.malloc(4096)
@@ -215,7 +181,7 @@ def test_front_cached_block_counts_as_cached_everywhere(downstream, manager):
     next nogil alloc of the same size reuses it; freeing it twice is still a double free."""
     blk, addr, serial = _front_cached_block(downstream, manager)
     st = manager.stats()
-    assert st.in_use_bytes == 0 and st.pooled_bytes == 2 * MiB and st.active_buffers == 0
+    assert st.in_use_bytes == 0 and st.cached_bytes == 2 * MiB and st.active_buffers == 0
     (seg,) = manager.pool.segments()
     assert all(b["state"] == "free" for b in seg["blocks"])
     check(manager, [])

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import dlpack_structs as dl
-from gpumem import BufferInUseError, InvalidInputError, MemoryConfig, MemoryManager
+from gpumem import BufferInUseError, InvalidInputError, MemoryManager
 
 KDLCPU, KDLCUDA, KDLCUDAHOST = 1, 2, 3
 
@@ -137,6 +137,17 @@ def test_copy_and_device_requests(host):
     assert buf.exports == 0
 
 
+@pytest.mark.parametrize("max_version", [(), (1,), (1, 0, 0), 5, "x", (1.5, 0)])
+def test_max_version_that_is_no_pair_of_ints_is_a_type_error(host, max_version):
+    """real: a max_version that is not a (major, minor) pair of ints is a TypeError naming it,
+    and nothing is exported (``()`` raised IndexError before; found by tests/fuzz/views.py)."""
+    buf = host.malloc(64)
+    with pytest.raises(TypeError, match="max_version must be None or a \\(major, minor\\)"):
+        buf.__dlpack__(max_version=max_version)
+    assert buf.exports == 0
+    assert dl.capsule_name(buf.__dlpack__(max_version=[1, 0])) == "dltensor_versioned"
+
+
 # --- lifetime: unconsumed, consumed, no leak ------------------------------------------------------
 @pytest.mark.parametrize("max_version", [None, (1, 0)])
 def test_unconsumed_capsule_releases_everything(host, max_version):
@@ -205,26 +216,19 @@ def test_many_exports_leave_no_references_behind(host):
 
 
 # --- CPU-fallback buffers and devices without DLPack ----------------------------------------------
-def test_fallback_buffer_dlpack(sim_device):
-    sim_device("64MiB", back_memory=True)
-    mm = MemoryManager("sim:0", MemoryConfig(cpu_fallback_enabled=True, min_free_bytes=0,
-                                             gpu_memory_fraction=1.0))
-    try:
-        held = mm.malloc(48 << 20)
-        fb = mm.malloc(32 << 20)
-        a = np.from_dlpack(fb.view("int64", (4, 4)))
-        a[:] = 42
-        assert np.all(fb.copy_to_host()[:128].view(np.int64) == 42)
-        assert fb.__dlpack_device__()[0] in (KDLCPU, KDLCUDAHOST)
-        assert np.from_dlpack(fb).nbytes == fb.nbytes
-        with pytest.raises(BufferInUseError):
-            fb.free()
-        del a
-        gc.collect()
+def test_fallback_buffer_dlpack(fallback):
+    mm, held, fb = fallback
+    a = np.from_dlpack(fb.view("int64", (4, 4)))
+    a[:] = 42
+    assert np.all(fb.copy_to_host()[:128].view(np.int64) == 42)
+    assert fb.__dlpack_device__()[0] in (KDLCPU, KDLCUDAHOST)
+    assert np.from_dlpack(fb).nbytes == fb.nbytes
+    with pytest.raises(BufferInUseError):
         fb.free()
-        held.free()
-    finally:
-        mm.close()
+    del a
+    gc.collect()
+    fb.free()
+    held.free()
 
 
 def test_sim_buffers_have_no_dlpack(manager):

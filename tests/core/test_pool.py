@@ -105,7 +105,7 @@ def test_medium_requests_get_about_20mib_holding_whole_blocks(make_manager, n):
     # the segment holds seg_size // rounded such blocks with no second driver call
     more = [manager.malloc(n) for _ in range(seg_size // rounded - 1)]
     assert manager.device.alloc_calls == 1
-    assert manager.stats().pooled_bytes == 0
+    assert manager.stats().cached_bytes == 0
     check(manager, [buf] + more)
 
 
@@ -162,9 +162,9 @@ def test_cache_is_reused_across_sizes(manager):
     bufs = [manager.malloc(n) for n in (4096, 8192, 16384)]
     for b in bufs:
         b.free()
-    reserved = manager.stats().total_allocated_bytes
+    reserved = manager.stats().reserved_bytes
     again = [manager.malloc(n) for n in (16384, 4096, 8192, 100)]
-    assert manager.stats().total_allocated_bytes == reserved
+    assert manager.stats().reserved_bytes == reserved
     assert manager.stats().pool_misses == 1
     check(manager, again)
 
@@ -444,10 +444,10 @@ def test_idle_segment_split_between_streams_does_not_double_reserved(make_manage
     x.free()
     y.free()
     check(manager, [])
-    assert manager.stats().pooled_bytes == 20 * MiB and dev.stream_idle(s) and dev.stream_idle(t)
+    assert manager.stats().cached_bytes == 20 * MiB and dev.stream_idle(s) and dev.stream_idle(t)
     z = manager.malloc(20 * MiB, stream=s)
     check(manager, [z])
-    assert manager.stats().total_allocated_bytes == 20 * MiB, manager.stats()
+    assert manager.stats().reserved_bytes == 20 * MiB, manager.stats()
 
 
 def test_stream_objects_with_handle_attribute(manager):
@@ -481,7 +481,7 @@ def test_idle_stream_lends_at_once_and_mixed_segment_is_released(manager):
     assert streams == {0, t}
     check(manager, [])
     assert manager.empty_cache() == 2 * MiB
-    assert manager.stats().total_allocated_bytes == 0
+    assert manager.stats().reserved_bytes == 0
     assert dev.live_bytes == 0
     check(manager, [])
 

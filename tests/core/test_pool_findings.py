@@ -4,16 +4,12 @@ IndexError). Level: real (the pool's C structures, skewed through the public poo
 tiny extension compiled at test time, as tests/core/test_cython_api.py does)."""
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 
 from gpumem._core.pool import CachingPool
-from test_cython_api import REPO_ROOT, SETUP
+from cython_build import build_extension
 
 PYX = textwrap.dedent("""
     # cython: language_level=3
@@ -29,21 +25,7 @@ PYX = textwrap.dedent("""
 
 @pytest.fixture(scope="module")
 def skewer(tmp_path_factory):
-    if os.name == "nt":
-        pytest.skip("the test build uses a Unix C++ compiler flag")
-    d = tmp_path_factory.mktemp("pool_findings")
-    (d / "gm_downstream.pyx").write_text(PYX)
-    (d / "setup.py").write_text(SETUP)
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
-    proc = subprocess.run([sys.executable, "setup.py", str(REPO_ROOT), "build_ext", "--inplace"],
-                          cwd=d, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"building the test extension failed:\n{proc.stderr}"
-    (so,) = [p for p in d.iterdir() if p.name.startswith("gm_downstream") and
-             p.suffix in (".so", ".pyd")]
-    spec = importlib.util.spec_from_file_location("gm_downstream", so)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return build_extension(tmp_path_factory.mktemp("pool_findings"), PYX)
 
 
 @pytest.mark.slow

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import gpumem
-from gpumem import BufferInUseError, InvalidInputError, MemoryConfig, MemoryManager
+from gpumem import BufferInUseError, InvalidInputError, MemoryManager
 from gpumem._core.view import BufferView
 
 KiB = 1 << 10
@@ -207,30 +207,23 @@ def test_view_survives_and_refcounts_return(host):
 
 
 # --- CPU fallback buffers ------------------------------------------------------------------------
-def test_fallback_buffer_views(sim_device):
-    sim_device("64MiB", back_memory=True)
-    mm = MemoryManager("sim:0", MemoryConfig(cpu_fallback_enabled=True, min_free_bytes=0,
-                                             gpu_memory_fraction=1.0))
-    try:
-        held = mm.malloc(48 << 20)
-        fb = mm.malloc(32 << 20)                             # does not fit: host memory
-        assert isinstance(fb, gpumem.FallbackBuffer)
-        a = np.asarray(fb.view("float32", (16, 16)))
-        a[:] = 3.0
-        assert np.all(fb.copy_to_host()[:1024].view(np.float32) == 3.0)
-        whole = np.asarray(fb)
-        assert whole.nbytes == fb.nbytes and fb.exports == 2
-        with pytest.raises(BufferInUseError):
-            fb.free()
-        with pytest.raises(BufferInUseError):
-            fb.migrate_to_device()
-        assert fb.alive and mm.stats().fallback_bytes == fb.nbytes
-        del a, whole
+def test_fallback_buffer_views(fallback):
+    mm, held, fb = fallback
+    assert isinstance(fb, gpumem.FallbackBuffer)
+    a = np.asarray(fb.view("float32", (16, 16)))
+    a[:] = 3.0
+    assert np.all(fb.copy_to_host()[:1024].view(np.float32) == 3.0)
+    whole = np.asarray(fb)
+    assert whole.nbytes == fb.nbytes and fb.exports == 2
+    with pytest.raises(BufferInUseError):
         fb.free()
-        held.free()
-        assert mm.stats().fallback_bytes == 0
-    finally:
-        mm.close()
+    with pytest.raises(BufferInUseError):
+        fb.migrate_to_device()
+    assert fb.alive and mm.stats().fallback_bytes == fb.nbytes
+    del a, whole
+    fb.free()
+    held.free()
+    assert mm.stats().fallback_bytes == 0
 
 
 # --- each backend: which protocols it offers ------------------------------------------------------

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import shlex
 import shutil
 import subprocess
 from collections.abc import Mapping
@@ -73,6 +74,10 @@ def build(dest_dir: str | os.PathLike[str], *, get_proc_address: bool = True) ->
            "-o", str(tmp), str(SOURCE)]
     if not get_proc_address:
         cmd.insert(1, "-DFAKE_CUDA_NO_GET_PROC_ADDRESS")
+    # the build tools' usual variables, after the fixed flags so they can add to them
+    # (ci/sanitize.sh builds the fake with -fsanitize=... this way)
+    cmd[-3:-3] = shlex.split(os.environ.get("CFLAGS", "")) + \
+        shlex.split(os.environ.get("LDFLAGS", ""))
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         tmp.unlink(missing_ok=True)

@@ -90,7 +90,7 @@ def _task(nbytes):
     assert mm is gpumem.get_manager(mm.device_string)
     with mm.malloc(nbytes, tag="task") as buf:
         return {"device": mm.device_string, "nbytes": buf.nbytes,
-                "kind": type(buf).__name__, "hits": mm.stats().pool_hits}
+                "kind": type(buf).__name__, "pool_hits": mm.stats().pool_hits}
 
 
 def _sim_live_bytes():
@@ -120,7 +120,7 @@ def test_plugin_installs_on_every_worker_and_tasks_allocate_through_it(client, p
     addresses = plugin(pool_size="64MiB", **WHOLE)
     assert sorted(addresses) == [0, 1]
     info = client.run(lambda dask_worker: (_manager(dask_worker).device_string,
-                                           _manager(dask_worker).stats().total_allocated_bytes))
+                                           _manager(dask_worker).stats().reserved_bytes))
     by_name = {name: info[addr] for name, addr in addresses.items()}
     assert by_name == {0: ("sim:0", 80 * MiB), 1: ("sim:1", 80 * MiB)}   # 64 MiB in 20 MiB blocks
     same = client.run(lambda dask_worker: _manager(dask_worker) is gpumem.get_manager(
@@ -129,8 +129,8 @@ def test_plugin_installs_on_every_worker_and_tasks_allocate_through_it(client, p
     for name, addr in addresses.items():
         result = client.submit(_task, 3 * MiB, workers=[addr], pure=False).result(timeout=20)
         assert result["device"] == DEVICES[name] and result["nbytes"] == 3 * MiB
-        assert result["kind"] == "Buffer" and result["hits"] >= 1
-    reserved = client.run(lambda dask_worker: _manager(dask_worker).stats().total_allocated_bytes)
+        assert result["kind"] == "Buffer" and result["pool_hits"] >= 1
+    reserved = client.run(lambda dask_worker: _manager(dask_worker).stats().reserved_bytes)
     assert set(reserved.values()) == {80 * MiB}      # served by the pool: no new segment
 
 
@@ -146,7 +146,7 @@ def test_metrics_reach_the_scheduler_and_the_report_is_right(client, plugin, cap
                      "the held buffers in the scheduler's metrics")
     assert rows[0]["device"] == "sim:0" and rows[1]["device"] == "sim:1"
     assert rows[0]["active_buffers"] == 1 and rows[0]["usable_bytes"] == 1 << 30
-    assert rows[0]["reserved_bytes"] >= 100 * MiB and rows[0]["peak_bytes"] >= 100 * MiB
+    assert rows[0]["reserved_bytes"] >= 100 * MiB and rows[0]["peak_in_use_bytes"] >= 100 * MiB
     assert rows[0]["pressure"] == "LOW" and rows[0]["num_ooms"] == 0
     assert rows[0]["paused"] is False
     printed = gdask.memory_report(client)
@@ -162,6 +162,62 @@ def test_metrics_reach_the_scheduler_and_the_report_is_right(client, plugin, cap
     rows_json = json.loads(capsys.readouterr().out)
     assert [(r["name"], r["device"], r["in_use_bytes"]) for r in rows_json] == \
         [(0, "sim:0", 100 * MiB), (1, "sim:1", 10 * MiB)]
+
+
+def test_report_right_after_register_plugin_asks_the_workers(client, plugin, capsys):
+    """memory_report called the moment register_plugin returns, before any heartbeat could
+    carry the plug-in's counters: every worker's row has them (the pool_size just reserved),
+    and the table says "no GpumemPlugin" for no worker; before registration it says so for
+    both, truthfully. `gpumem cluster` right after registration prints the same rows."""
+    before = _report(client)
+    assert [before[n]["plugin"] for n in (0, 1)] == [False, False]
+    assert "no GpumemPlugin on this worker" in gdask.format_report(list(before.values()))
+    plugin(pool_size="40MiB", **WHOLE)
+    rows = gdask.memory_report(client)                 # no wait: asked of the workers
+    table = capsys.readouterr().out
+    assert [(r["plugin"], r["device"], r["reserved_bytes"], r["cached_bytes"]) for r in rows] \
+        == [(True, "sim:0", 40 * MiB, 40 * MiB), (True, "sim:1", 40 * MiB, 40 * MiB)]
+    assert "no GpumemPlugin" not in table and len(table.splitlines()) == 3
+    client.run(_hold, 3 * MiB)
+    assert [r["in_use_bytes"] for r in gdask.memory_report(client, show=False)] == [3 * MiB] * 2
+    assert cli_main(["cluster", client.scheduler.address, "--json"]) == 0
+    import json
+    assert [(r["name"], r["plugin"], r["in_use_bytes"]) for r in
+            json.loads(capsys.readouterr().out)] == [(0, True, 3 * MiB), (1, True, 3 * MiB)]
+
+
+def test_report_says_which_worker_failed_setup(client):
+    """A plug-in whose setup failed on one worker (its device mapping names only worker 0):
+    worker 0's row has the counters, worker 1's says its GpumemPlugin holds no manager,
+    neither says "no GpumemPlugin"."""
+    with pytest.raises(InvalidInputError):
+        client.register_plugin(gdask.GpumemPlugin(device={0: "sim:0"}, name="gpumem-half"))
+    try:
+        rows = gdask.memory_report(client, show=False)
+        assert [(r["plugin"], r.get("device")) for r in rows] == [(True, "sim:0"), (True, None)]
+        table = gdask.format_report(rows)
+        assert "no GpumemPlugin" not in table
+        assert "GpumemPlugin without an open manager (its setup failed" in table
+    finally:
+        client.unregister_worker_plugin("gpumem-half")
+
+
+def test_rows_for_workers_that_do_not_answer():
+    """In-process (stand-in answers): a worker that timed out or failed is reported as not
+    answering, with the reason, never as having no plug-in; bad timeouts are refused."""
+    from gpumem.dask.report import rows_from_answers
+    info = {"workers": {"tcp://a:1": {"name": 0}, "tcp://b:1": {"name": 1},
+                        "tcp://c:1": {"name": 2}}}
+    rows = rows_from_answers(info, {"tcp://a:1": TimeoutError("no answer within 2 s"),
+                                    "tcp://b:1": None})
+    assert [(r["name"], r["plugin"]) for r in rows] == [(0, None), (1, False), (2, None)]
+    table = gdask.format_report(rows).splitlines()
+    assert "no answer from this worker: TimeoutError: no answer within 2 s" in table[1]
+    assert "no GpumemPlugin on this worker" in table[2]
+    assert "no answer from this worker: LookupError" in table[3]
+    for bad in (0, -1, "5", True):
+        with pytest.raises(InvalidInputError, match="timeout must be seconds > 0"):
+            gdask.memory_report(object(), timeout=bad)
 
 
 def test_oom_ladder_seen_from_the_client(client, plugin):
@@ -206,7 +262,7 @@ def test_pressure_frees_the_cache_and_pauses_the_worker(client, plugin):
         mm = _manager(dask_worker)
         mm.malloc(100 * MiB).free()                  # 100 MiB cached
         _hold(850 * MiB, dask_worker)                # 950 / 1024 reserved: HIGH
-        return mm.stats().pooled_bytes
+        return mm.stats().cached_bytes
 
     assert client.run(fill, workers=[a0])[a0] >= 100 * MiB
     status = lambda: client.scheduler_info(n_workers=-1)["workers"][a0]["status"]  # noqa: E731

@@ -45,7 +45,7 @@ def state(mm: MemoryManager) -> dict:
     """Everything a failed call must leave unchanged (monotonic event counters aside)."""
     d = dataclasses.asdict(mm.stats())
     for k in ("num_allocs", "num_frees", "pool_hits", "pool_misses", "segments_created",
-              "segments_released", "num_ooms", "peak_bytes", "peak_reserved_bytes"):
+              "segments_released", "num_ooms", "peak_in_use_bytes", "peak_reserved_bytes"):
         d.pop(k)
     d["segments"] = sorted(s["handle"] for s in mm.pool.segments())
     return d
@@ -338,7 +338,7 @@ def test_warmup_of_impossible_size_is_a_clean_oom():
     _, mm = sim(1000 * MiB)
     with pytest.raises(OutOfMemoryError):
         mm.warmup([1 << 70])
-    assert mm.stats().total_allocated_bytes == 0
+    assert mm.stats().reserved_bytes == 0
 
 
 def test_allocate_batch_is_used_by_the_manager_method():
@@ -360,11 +360,11 @@ def test_warmup_makes_later_mallocs_hits(manager):
     sizes, counts = [MiB, 3 * MiB, 200 * KiB], [2, 3, 4]
     reserved = manager.warmup(sizes, counts)
     st = manager.stats()
-    assert reserved == st.total_allocated_bytes > 0
-    assert st.active_buffers == 0 and st.pooled_bytes == reserved
+    assert reserved == st.reserved_bytes > 0
+    assert st.active_buffers == 0 and st.cached_bytes == reserved
     bufs = [manager.malloc(n) for n, c in zip(sizes, counts) for _ in range(c)]
     assert manager.stats().pool_misses == st.pool_misses
-    assert manager.stats().total_allocated_bytes == reserved
+    assert manager.stats().reserved_bytes == reserved
     for b in bufs:
         b.free()
 
@@ -372,7 +372,7 @@ def test_warmup_makes_later_mallocs_hits(manager):
 def test_warmup_int_count_and_repeat():
     dev, mm = sim()
     first = mm.warmup([2 * MiB, 5 * MiB], 4)
-    assert first == mm.stats().total_allocated_bytes
+    assert first == mm.stats().reserved_bytes
     assert dev.alloc_calls == 1
     assert mm.warmup([2 * MiB, 5 * MiB], 4) == 0        # the cache holds them already
     assert dev.alloc_calls == 1

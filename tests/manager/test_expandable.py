@@ -13,7 +13,7 @@ import gpumem_sim
 from gpumem import MemoryConfig, OutOfMemoryError
 from gpumem.errors import DriverError
 from gpumem.units import MiB
-from invariants import check, sim_manager
+from invariants import check, run_threads, sim_manager
 
 pytestmark = pytest.mark.usefixtures("clean_registry")
 
@@ -66,7 +66,7 @@ def test_empty_cache_and_shrink_return_free_tail_pages():
     b = mm.malloc(50 * MiB)
     b.free()
     released = mm.shrink(40 * MiB)
-    assert released > 0 and mm.stats().pooled_bytes <= 40 * MiB
+    assert released > 0 and mm.stats().cached_bytes <= 40 * MiB
     check(mm, [a])
     released += mm.empty_cache()
     assert mm.pool.reserved_bytes == 10 * MiB == dev.mapped_bytes
@@ -84,7 +84,7 @@ def test_cache_cap_trims_tails_on_free():
     a = mm.malloc(4 * MiB)
     b = mm.malloc(60 * MiB)
     b.free()
-    assert mm.stats().pooled_bytes <= 8 * MiB + PAGE
+    assert mm.stats().cached_bytes <= 8 * MiB + PAGE
     check(mm, [a])
     mm.close()
 
@@ -189,37 +189,29 @@ def test_threads_with_expandable_segments():
     is handed out twice (tags survive), and the invariants hold at the end."""
     dev, mm = sim_manager("2GiB", back_memory=True, expandable_segments=True)
     streams = [0, 0, dev.create_stream(), dev.create_stream()]
-    errors: list[BaseException] = []
     start = threading.Barrier(4)
 
     def work(tid: int) -> None:
         rng = random.Random(tid)
         live = []
-        try:
-            start.wait()
-            for i in range(600):
-                if live and (rng.random() < 0.5 or len(live) > 12):
-                    buf, tag = live.pop(rng.randrange(len(live)))
-                    assert bytes(buf.copy_to_host()[:8]) == tag
-                    buf.free()
-                    if rng.random() < 0.05:
-                        mm.empty_cache()
-                else:
-                    buf = mm.malloc(rng.choice([3 * MiB, 5 * MiB + 7, 11 * MiB, 100]),
-                                    stream=streams[tid])
-                    tag = (tid * 1_000_000 + i).to_bytes(8, "little")
-                    buf.copy_from_host(tag)
-                    live.append((buf, tag))
-            for buf, _ in live:
+        start.wait()
+        for i in range(600):
+            if live and (rng.random() < 0.5 or len(live) > 12):
+                buf, tag = live.pop(rng.randrange(len(live)))
+                assert bytes(buf.copy_to_host()[:8]) == tag
                 buf.free()
-        except BaseException as exc:   # surfaced below
-            errors.append(exc)
+                if rng.random() < 0.05:
+                    mm.empty_cache()
+            else:
+                buf = mm.malloc(rng.choice([3 * MiB, 5 * MiB + 7, 11 * MiB, 100]),
+                                stream=streams[tid])
+                tag = (tid * 1_000_000 + i).to_bytes(8, "little")
+                buf.copy_from_host(tag)
+                live.append((buf, tag))
+        for buf, _ in live:
+            buf.free()
 
-    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    errors = run_threads(work, range(4))
     assert not errors, errors
     check(mm, [])
     mm.empty_cache()

@@ -19,7 +19,6 @@ from gpumem import MemoryConfig, MemoryManager, OutOfMemoryError
 from gpumem.errors import DriverError, DriverOutOfMemory
 from gpumem.units import MiB
 from invariants import check, sim_manager, snapshot_state
-from test_cuda_fake_driver import fake  # noqa: F401  (the fixture)
 
 pytestmark = pytest.mark.usefixtures("clean_registry")
 
@@ -250,7 +249,7 @@ def test_snapshot_text_plot_and_torch_export_show_holes(tmp_path):
     assert large["unmapped_bytes"] == 1024 * MiB - 20 * MiB
     totals = summarize(snap)
     assert totals["reserved_bytes"] == 20 * MiB and totals["hole_bytes"] == 20 * MiB
-    assert totals["free_bytes"] == 0
+    assert totals["cached_bytes"] == 0
     assert "<20.00 MiB unmapped>" in format_snapshot(snap)
     save_snapshot(snap, tmp_path / "snap.json")
     assert load_snapshot(tmp_path / "snap.json")["segments"][0]["blocks"][1]["state"] == \

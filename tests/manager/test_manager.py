@@ -14,7 +14,7 @@ import pytest
 import gpumem
 from gpumem import (Buffer, ClosedManagerError, DoubleFreeError, DriverError, FallbackBuffer,
                     MemoryConfig, MemoryManager, OutOfMemoryError)
-from invariants import check, snapshot_state
+from invariants import check, run_threads, snapshot_state
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -32,7 +32,7 @@ def test_empty_cache_returns_exact_bytes_to_the_device(make_manager):
     keep = manager.malloc(4096)                          # keeps one small segment busy
     gone = [manager.malloc(n) for n in (MiB + 512, 25 * MiB, 40 * MiB)]
     extra = manager.malloc(MiB)                          # same small segment as keep
-    reserved = manager.stats().total_allocated_bytes
+    reserved = manager.stats().reserved_bytes
     busy_segment = keep.segment_location()[0]
     for b in gone + [extra]:
         b.free()
@@ -42,7 +42,7 @@ def test_empty_cache_returns_exact_bytes_to_the_device(make_manager):
     assert released == expected
     assert sorted(freed_sizes(dev)) == [19 * (MiB + 512), 25 * MiB, 40 * MiB]
     st = manager.stats()
-    assert st.total_allocated_bytes == reserved - released == 2 * MiB
+    assert st.reserved_bytes == reserved - released == 2 * MiB
     assert dev.live_bytes == 2 * MiB and dev.live_segments == 1
     assert st.segments_released == 3
     check(manager, [keep])
@@ -75,12 +75,12 @@ def test_shrink_to_target(make_manager):
     bufs = [manager.malloc(n) for n in (12 * MiB, 14 * MiB, 16 * MiB)]
     for b in bufs:
         b.free()
-    assert manager.stats().pooled_bytes == 42 * MiB
+    assert manager.stats().cached_bytes == 42 * MiB
     assert manager.shrink(50 * MiB) == 0                 # already below the target
     assert dev.live_bytes == 42 * MiB
     released = manager.shrink(20 * MiB)                  # largest first: 16 then 14
     assert released == 30 * MiB
-    assert manager.stats().pooled_bytes == 12 * MiB <= 20 * MiB
+    assert manager.stats().cached_bytes == 12 * MiB <= 20 * MiB
     assert dev.live_bytes == 12 * MiB
     check(manager, [])
     assert manager.shrink() == 12 * MiB
@@ -93,7 +93,7 @@ def test_shrink_keeps_busy_segments(manager):
     b = manager.malloc(12 * MiB)
     b.free()
     assert manager.shrink(0) == 12 * MiB
-    assert manager.stats().pooled_bytes == 2 * MiB - 4096   # the rest of a's segment
+    assert manager.stats().cached_bytes == 2 * MiB - 4096   # the rest of a's segment
     check(manager, [a])
 
 
@@ -116,23 +116,23 @@ def test_max_pool_size_caps_cached_bytes_after_every_free(make_manager):
     while bufs:
         bufs.pop().free()
         st = mm.stats()
-        assert st.pooled_bytes <= cap, st
+        assert st.cached_bytes <= cap, st
         check(mm, bufs)
-    assert mm.stats().pooled_bytes > 0                   # the cap is not "cache nothing"
-    assert mm.device.live_bytes == mm.stats().total_allocated_bytes
+    assert mm.stats().cached_bytes > 0                   # the cap is not "cache nothing"
+    assert mm.device.live_bytes == mm.stats().reserved_bytes
 
 
 def test_set_max_pool_size_trims_at_once(manager):
     for b in [manager.malloc(12 * MiB) for _ in range(4)]:
         b.free()
-    assert manager.stats().pooled_bytes == 48 * MiB
+    assert manager.stats().cached_bytes == 48 * MiB
     manager.set_max_pool_size(20 * MiB)
-    assert manager.stats().pooled_bytes <= 20 * MiB
+    assert manager.stats().cached_bytes <= 20 * MiB
     check(manager, [])
     manager.set_max_pool_size(None)
     for b in [manager.malloc(12 * MiB) for _ in range(4)]:
         b.free()
-    assert manager.stats().pooled_bytes == 48 * MiB
+    assert manager.stats().cached_bytes == 48 * MiB
     with pytest.raises(gpumem.InvalidInputError):
         manager.set_max_pool_size(-1)
     with pytest.raises(gpumem.InvalidInputError):
@@ -144,9 +144,9 @@ def test_set_max_pool_size_takes_size_strings(manager):
     for b in [manager.malloc(12 * MiB) for _ in range(4)]:
         b.free()
     manager.set_max_pool_size("20MiB")
-    assert manager.stats().pooled_bytes <= 20 * MiB
+    assert manager.stats().cached_bytes <= 20 * MiB
     manager.set_max_pool_size(None)
-    assert manager.shrink("0B") >= 0 and manager.stats().pooled_bytes == 0
+    assert manager.shrink("0B") >= 0 and manager.stats().cached_bytes == 0
     check(manager, [])
 
 
@@ -163,7 +163,7 @@ def test_set_max_pool_size_out_of_range_changes_nothing(manager, bad):
     assert snapshot_state(manager) == before
     assert manager._max_pool_size == 40 * MiB
     manager.malloc(12 * MiB).free()      # the old cap still applies after a free
-    assert manager.stats().pooled_bytes <= 40 * MiB
+    assert manager.stats().cached_bytes <= 40 * MiB
 
 
 def test_free_above_the_cap_does_not_synchronize_when_nothing_is_releasable(make_manager):
@@ -175,7 +175,7 @@ def test_free_above_the_cap_does_not_synchronize_when_nothing_is_releasable(make
     syncs = dev.synchronize_calls
     for _ in range(100):
         mm.malloc(4096).free()
-    assert mm.stats().pooled_bytes > MiB                 # nothing could be released...
+    assert mm.stats().cached_bytes > MiB                 # nothing could be released...
     assert dev.synchronize_calls == syncs, (
         f"{dev.synchronize_calls - syncs} device synchronizations for 100 frees that "
         f"released nothing")
@@ -267,27 +267,27 @@ def test_stats_peak_and_reset(manager):
     bufs.pop().free()
     bufs.pop().free()
     st = manager.stats()
-    assert st.peak_bytes == 36 * MiB and st.in_use_bytes == 12 * MiB
+    assert st.peak_in_use_bytes == 36 * MiB and st.in_use_bytes == 12 * MiB
     assert st.peak_reserved_bytes == 36 * MiB
     manager.empty_cache()
     manager.reset_peak_stats()
     st = manager.stats()
-    assert st.peak_bytes == st.in_use_bytes == 12 * MiB
-    assert st.peak_reserved_bytes == st.total_allocated_bytes == 12 * MiB
+    assert st.peak_in_use_bytes == st.in_use_bytes == 12 * MiB
+    assert st.peak_reserved_bytes == st.reserved_bytes == 12 * MiB
     more = manager.malloc(4096)
-    assert manager.stats().peak_bytes == 12 * MiB + 4096
+    assert manager.stats().peak_in_use_bytes == 12 * MiB + 4096
     check(manager, bufs + [more])
 
 
 def test_stats_fragmentation_ratio(manager):
     quarter = 512 * KiB
     q = [manager.malloc(quarter) for _ in range(4)]      # fills one 2 MiB small segment
-    assert manager.stats().pooled_bytes == 0
+    assert manager.stats().cached_bytes == 0
     assert manager.stats().fragmentation_ratio() == 0.0
     q[0].free()
     q[2].free()
     st = manager.stats()
-    assert st.pooled_bytes == 2 * quarter and st.largest_free_block == quarter
+    assert st.cached_bytes == 2 * quarter and st.largest_free_block == quarter
     assert st.fragmentation_ratio() == 0.5
     q[1].free()                                          # merges into one 1.5 MiB block
     st = manager.stats()
@@ -305,7 +305,7 @@ def test_stats_invariant_under_mixed_work(manager):
             live.append(manager.malloc(rng.choice([0, 1, 700, 4096, 300_000, 3 * MiB, 11 * MiB])))
     check(manager, live)
     st = manager.stats()
-    assert st.total_allocated_bytes == st.in_use_bytes + st.pooled_bytes
+    assert st.reserved_bytes == st.in_use_bytes + st.cached_bytes
     assert st.active_buffers == len(live)
 
 
@@ -413,7 +413,7 @@ def test_reserved_never_exceeds_usable_memory(sim_device, make_manager):
     with pytest.raises(OutOfMemoryError) as info:
         while True:
             bufs.append(mm.malloc(30 * MiB))
-            assert mm.stats().total_allocated_bytes <= mm.usable_memory
+            assert mm.stats().reserved_bytes <= mm.usable_memory
     assert len(bufs) == 8                                # 8 * 30 MiB <= 256 MiB < 9 * 30 MiB
     assert dev.failed_allocs == 0                        # the limit held before the driver
     assert info.value.limit == 256 * MiB
@@ -510,7 +510,7 @@ def test_driver_refusal_releases_cache_then_retries(sim_device, make_manager, ex
     assert ops[0] == (grow, "injected_oom")
     assert [ops[i] for i in tries] == [(grow, "injected_oom")] * 2
     assert (give_back, "ok") in ops[tries[0]:tries[1]]   # the cache was given back to retry
-    assert mm.stats().total_allocated_bytes == 0
+    assert mm.stats().reserved_bytes == 0
     dev.clear_faults()
     dev.inject_vm(create_after=None)
     b = mm.malloc(30 * MiB)
@@ -572,7 +572,7 @@ def test_refused_free_keeps_the_segment_cached(sim_device, make_manager):
     mm.malloc(12 * MiB).free()
     with pytest.warns(RuntimeWarning):
         assert mm.empty_cache() == 0
-    assert mm.stats().total_allocated_bytes == 12 * MiB
+    assert mm.stats().reserved_bytes == 12 * MiB
     check(mm, [])
     b = mm.malloc(12 * MiB)                              # the restored segment serves again
     assert mm.stats().pool_misses == 1
@@ -627,37 +627,29 @@ def test_fallback_buffer_free_and_with(sim_device, make_manager):
 def test_threads_malloc_and_free_concurrently(manager):
     dev = manager.device
     streams = [0, 0, dev.create_stream(), dev.create_stream()]
-    errors: list[BaseException] = []
     n_ops = 4000                                         # about 2000 malloc/free pairs
     start = threading.Barrier(4)
 
     def work(tid: int) -> None:
         rng = random.Random(tid)
         live: list[tuple[object, bytes]] = []
-        try:
-            start.wait()
-            for i in range(n_ops):
-                if live and (rng.random() < 0.5 or len(live) > 20):
-                    buf, tag = live.pop(rng.randrange(len(live)))
-                    assert bytes(buf.copy_to_host()[:8]) == tag, "block overwritten by another"
-                    buf.free()
-                else:
-                    n = rng.choice([8, 100, 4096, 50_000, 700_000, 3 * MiB])
-                    buf = manager.malloc(n, stream=streams[tid])
-                    tag = (tid * 1_000_000 + i).to_bytes(8, "little")
-                    buf.copy_from_host(tag)
-                    live.append((buf, tag))
-            for buf, tag in live:
-                assert bytes(buf.copy_to_host()[:8]) == tag
+        start.wait()
+        for i in range(n_ops):
+            if live and (rng.random() < 0.5 or len(live) > 20):
+                buf, tag = live.pop(rng.randrange(len(live)))
+                assert bytes(buf.copy_to_host()[:8]) == tag, "block overwritten by another"
                 buf.free()
-        except BaseException as exc:   # surfaced below
-            errors.append(exc)
+            else:
+                n = rng.choice([8, 100, 4096, 50_000, 700_000, 3 * MiB])
+                buf = manager.malloc(n, stream=streams[tid])
+                tag = (tid * 1_000_000 + i).to_bytes(8, "little")
+                buf.copy_from_host(tag)
+                live.append((buf, tag))
+        for buf, tag in live:
+            assert bytes(buf.copy_to_host()[:8]) == tag
+            buf.free()
 
-    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    errors = run_threads(work, range(4))
     assert not errors, errors
     st = manager.stats()
     assert st.num_allocs == st.num_frees and st.active_buffers == 0 and st.in_use_bytes == 0

@@ -32,8 +32,8 @@ def test_counts_what_happened_inside_the_block(mm):
             b.free()
     s = m.stats
     assert isinstance(s, MeasuredStats) and s.device == "sim:0"
-    assert (s.allocations, s.frees, s.misses, s.hits) == (10, 6, 1, 9)
-    assert s.hits + s.misses == s.allocations and s.hit_rate() == 0.9
+    assert (s.num_allocs, s.num_frees, s.pool_misses, s.pool_hits) == (10, 6, 1, 9)
+    assert s.pool_hits + s.pool_misses == s.num_allocs and s.hit_rate() == 0.9
     assert (s.segments_created, s.segments_released) == (1, 0)     # one small segment
     assert s.in_use_bytes_change == 4 * 4 * KiB
     small_segment = next(g["size"] for g in mm.pool.segments() if g["pool"] == "small")
@@ -51,13 +51,13 @@ def test_block_peak_is_its_own_and_the_managers_peak_survives(mm):
     held_at_entry = mm.pool.reserved_bytes             # the 64 MiB segment, cached
     with mm.measure() as m:
         mm.malloc(MiB).free()
-        assert mm.stats().peak_bytes == 64 * MiB       # also while the block is open
+        assert mm.stats().peak_in_use_bytes == 64 * MiB       # also while the block is open
     assert m.stats.peak_in_use_bytes == MiB
     assert m.stats.peak_reserved_bytes == held_at_entry == 64 * MiB
-    assert mm.stats().peak_bytes == 64 * MiB
+    assert mm.stats().peak_in_use_bytes == 64 * MiB
     assert mm.stats().peak_reserved_bytes >= 64 * MiB
     mm.reset_peak_stats()                              # then a reset still restarts it
-    assert mm.stats().peak_bytes == 0
+    assert mm.stats().peak_in_use_bytes == 0
 
 
 def test_nested_and_overlapping_blocks_each_see_their_own_peak(mm):
@@ -78,16 +78,16 @@ def test_nested_and_overlapping_blocks_each_see_their_own_peak(mm):
     mm.malloc(3 * MiB).free()
     b.__exit__(None, None, None)
     assert (a.stats.peak_in_use_bytes, b.stats.peak_in_use_bytes) == (16 * MiB, 3 * MiB)
-    assert mm.stats().peak_bytes == 16 * MiB
+    assert mm.stats().peak_in_use_bytes == 16 * MiB
 
 
 def test_reset_peak_stats_inside_a_block_keeps_the_blocks_peak(mm):
     with mm.measure() as m:
         mm.malloc(8 * MiB).free()
         mm.reset_peak_stats()
-        assert mm.stats().peak_bytes == 0
+        assert mm.stats().peak_in_use_bytes == 0
         mm.malloc(MiB).free()
-    assert m.stats.peak_in_use_bytes == 8 * MiB and mm.stats().peak_bytes == MiB
+    assert m.stats.peak_in_use_bytes == 8 * MiB and mm.stats().peak_in_use_bytes == MiB
 
 
 def test_an_exception_inside_the_block_still_measures_and_propagates(mm):
@@ -95,7 +95,7 @@ def test_an_exception_inside_the_block_still_measures_and_propagates(mm):
         with mm.measure() as m:
             mm.malloc(MiB).free()
             mm.malloc(2 << 30)                         # more than the device: OOM
-    assert m.stats.ooms == 1 and m.stats.allocations == 1
+    assert m.stats.num_ooms == 1 and m.stats.num_allocs == 1
 
 
 def test_cpu_fallbacks_are_counted(sim_device):
@@ -104,7 +104,7 @@ def test_cpu_fallbacks_are_counted(sim_device):
     with MemoryManager("sim:0", cfg) as mm:
         with mm.measure() as m:
             fb = mm.malloc(48 * MiB)                   # over usable memory: host memory
-        assert m.stats.cpu_fallbacks == 1 and m.stats.allocations == 0
+        assert m.stats.cpu_fallbacks == 1 and m.stats.num_allocs == 0
         fb.free()
 
 

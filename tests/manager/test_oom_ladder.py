@@ -78,7 +78,7 @@ def test_limit_refusal_then_release_cached_then_grow():
     assert ops(dev, start) == [("synchronize", 0, "ok"), ("free", 100, "ok"),
                                ("free", 100, "ok"), ("alloc", 250, "ok")]
     st = mm.stats()
-    assert st.total_allocated_bytes == 950 * MiB and st.pooled_bytes == 0
+    assert st.reserved_bytes == 950 * MiB and st.cached_bytes == 0
     assert st.segments_released == 2 and st.num_ooms == 0
     assert buf.alive
 

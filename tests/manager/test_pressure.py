@@ -175,12 +175,12 @@ def test_high_trims_cache_to_high_cache_fraction():
     bufs = [mm.malloc(100 * MiB) for _ in range(7)]   # 70 %: MEDIUM
     for b in bufs[:4]:
         b.free()                                       # 400 MiB cached in 4 segments
-    assert mm.stats().pooled_bytes == 400 * MiB
+    assert mm.stats().cached_bytes == 400 * MiB
     frees_before = dev.free_calls
     big = mm.malloc(150 * MiB)                        # no cached block fits: grow to 85 %
     st = mm.stats()
-    assert st.pooled_bytes <= 0.1 * mm.usable_memory
-    assert st.pooled_bytes == 100 * MiB               # 3 of the 4 idle segments went back
+    assert st.cached_bytes <= 0.1 * mm.usable_memory
+    assert st.cached_bytes == 100 * MiB               # 3 of the 4 idle segments went back
     assert dev.free_calls - frees_before == 3
     assert rec.changes == [(LOW, MEDIUM), (MEDIUM, HIGH), (HIGH, LOW)]
     assert mm.pressure() is LOW and mm.pressure_ratio() == 0.55
@@ -195,7 +195,7 @@ def test_high_response_off_keeps_cache():
     for b in bufs[:4]:
         b.free()
     big = mm.malloc(150 * MiB)
-    assert mm.stats().pooled_bytes == 400 * MiB
+    assert mm.stats().cached_bytes == 400 * MiB
     assert mm.pressure() is HIGH
     assert big.alive
 
@@ -210,14 +210,14 @@ def test_critical_releases_every_wholly_free_segment():
     half = mm.malloc(2 * MiB)                         # a partly used 20 MiB segment: 91 %
     small[0].free()
     small[1].free()                                    # 60 MiB in wholly free segments
-    assert mm.pressure() is HIGH and mm.stats().pooled_bytes == 60 * MiB + 18 * MiB
+    assert mm.pressure() is HIGH and mm.stats().cached_bytes == 60 * MiB + 18 * MiB
     frees = dev.free_calls
     big = mm.malloc(45 * MiB)                         # no cached fit: grow to 95.5 %: CRITICAL
     st = mm.stats()
     # both idle 30 MiB segments went back; the partly used one stays
     assert dev.free_calls - frees == 2
-    assert st.total_allocated_bytes == 800 * MiB + 30 * MiB + 20 * MiB + 45 * MiB
-    assert st.pooled_bytes == 18 * MiB
+    assert st.reserved_bytes == 800 * MiB + 30 * MiB + 20 * MiB + 45 * MiB
+    assert st.cached_bytes == 18 * MiB
     assert rec.changes == [(LOW, MEDIUM), (MEDIUM, HIGH), (HIGH, CRITICAL), (CRITICAL, HIGH)]
     assert half.alive and big.alive and small[2].alive and all(b.alive for b in held)
     mm.pool.check_invariants()
@@ -241,7 +241,7 @@ def test_emergency_cleanup_with_refused_free_keeps_segment():
     dev.inject(fail_free=True)
     with pytest.warns(RuntimeWarning, match="refused to free"):
         assert mm.emergency_cleanup() == 0
-    assert mm.stats().pooled_bytes == 100 * MiB       # still cached, still usable
+    assert mm.stats().cached_bytes == 100 * MiB       # still cached, still usable
     mm.pool.check_invariants()
     dev.clear_faults()
     assert mm.emergency_cleanup() == 100 * MiB
@@ -256,7 +256,7 @@ def test_set_max_pool_size_trims_and_updates_pressure():
         b.free()
     assert mm.pressure() is MEDIUM
     mm.set_max_pool_size(250 * MiB)
-    assert mm.stats().pooled_bytes <= 250 * MiB
+    assert mm.stats().cached_bytes <= 250 * MiB
     assert rec.changes[-1] == (MEDIUM, LOW)
     with pytest.raises(InvalidInputError):
         mm.set_max_pool_size(-1)

@@ -10,7 +10,6 @@ import copy
 import os
 import pickle
 import sys
-import threading
 import warnings
 
 import pytest
@@ -19,29 +18,17 @@ import gpumem
 from gpumem.errors import ClosedManagerError, InvalidInputError, OutOfMemoryError
 from gpumem.units import MiB, TiB
 from forked import wait_for_child
+from invariants import run_threads
 
 
 def _race(worker, n: int) -> list[BaseException]:
     """Run worker(0..n-1) on n threads that switch as often as CPython allows; the errors."""
-    errors: list[BaseException] = []
-
-    def guarded(k: int) -> None:
-        try:
-            worker(k)
-        except BaseException as exc:        # surfaced by the caller
-            errors.append(exc)
-
     old = sys.getswitchinterval()
     sys.setswitchinterval(1e-6)
     try:
-        threads = [threading.Thread(target=guarded, args=(k,)) for k in range(n)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
+        return run_threads(worker, range(n), timeout=60)
     finally:
         sys.setswitchinterval(old)
-    return errors
 
 
 # --- bug 2: deferred frees are never lost ------------------------------------------------------
@@ -266,7 +253,7 @@ def test_a_closed_managers_buffers_raise_closed_manager_error(make_manager):
         with pytest.raises(ClosedManagerError):
             call()
     st = mm.stats()
-    assert (st.total_allocated_bytes, st.in_use_bytes, st.active_buffers) == (0, 0, 0)
+    assert (st.reserved_bytes, st.in_use_bytes, st.active_buffers) == (0, 0, 0)
 
 
 def test_freed_buffer_refuses_its_address(manager):

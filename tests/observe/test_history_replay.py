@@ -142,7 +142,7 @@ def test_replay_demo_trace():
     assert res.reserved_live_ratio == pytest.approx(res.peak_reserved_bytes /
                                                     res.peak_live_bytes)
     assert 1.0 <= res.reserved_live_ratio < 1.5
-    assert 0.5 < res.hit_rate <= 1.0 and res.hits + res.misses == data.n_allocs
+    assert 0.5 < res.hit_rate <= 1.0 and res.pool_hits + res.pool_misses == data.n_allocs
     assert res.segments_created >= res.segments_peak == res.segments > 0
     assert res.num_ooms == 0 and res.cpu_fallbacks == 0 and res.skipped_frees == 0
     assert res.events_per_second > 0 and res.duration_s > 0

@@ -39,7 +39,7 @@ def test_structure_and_tiling():
     assert snap["stats"]["in_use_bytes"] == st.in_use_bytes
     assert snap["config"]["min_free_bytes"] == 0 and snap["tracking"] is True
     assert snap["total_memory"] == 2 << 30
-    assert sum(s["size"] for s in snap["segments"]) == st.total_allocated_bytes
+    assert sum(s["size"] for s in snap["segments"]) == st.reserved_bytes
     for seg in snap["segments"]:
         off = 0
         for b in seg["blocks"]:
@@ -55,8 +55,8 @@ def test_structure_and_tiling():
     assert tags[live[2].id] == "('tuple', 1)"          # non-JSON tags become str
     assert sum(b["requested"] for b in blocks) == st.requested_bytes
     s = summarize(snap)
-    assert s["allocated_bytes"] == st.in_use_bytes
-    assert s["free_bytes"] == st.pooled_bytes
+    assert s["in_use_bytes"] == st.in_use_bytes
+    assert s["cached_bytes"] == st.cached_bytes
     assert s["largest_free_block"] == st.largest_free_block
     assert s["bytes_by_tag"]["weights"] == 40 * MiB
     for b in live:

@@ -33,14 +33,14 @@ def tracked(sim_device):
 def test_summary_figures_agree_with_stats_and_segments(tracked):
     d = summary_data(tracked)
     st = tracked.stats()
-    assert d["reserved_bytes"] == st.total_allocated_bytes
-    assert d["in_use_bytes"] == st.in_use_bytes and d["cached_bytes"] == st.pooled_bytes
-    assert d["peak_in_use_bytes"] == st.peak_bytes >= st.in_use_bytes
-    assert (d["hits"], d["misses"], d["largest_free_block"]) == (
+    assert d["reserved_bytes"] == st.reserved_bytes
+    assert d["in_use_bytes"] == st.in_use_bytes and d["cached_bytes"] == st.cached_bytes
+    assert d["peak_in_use_bytes"] == st.peak_in_use_bytes >= st.in_use_bytes
+    assert (d["pool_hits"], d["pool_misses"], d["largest_free_block"]) == (
         st.pool_hits, st.pool_misses, st.largest_free_block)
     rows = d["segments_by_class"]
-    assert sum(r["segments"] for r in rows) == st.num_segments
-    assert sum(r["reserved_bytes"] for r in rows) == st.total_allocated_bytes
+    assert sum(r["num_segments"] for r in rows) == st.num_segments
+    assert sum(r["reserved_bytes"] for r in rows) == st.reserved_bytes
     assert sum(r["in_use_bytes"] for r in rows) == st.in_use_bytes
     assert {r["pool"] for r in rows} == {"small", "large"}
     assert [t["tag"] for t in d["top_tags"]][:3] == ["weights", "kv-cache", "activations"]
@@ -49,11 +49,30 @@ def test_summary_figures_agree_with_stats_and_segments(tracked):
     json.dumps(d)                                       # JSON-ready
 
 
+def test_segment_rows_leave_out_the_holes_of_expandable_segments(sim_device):
+    """An expandable segment with unmapped pages (freed and given back by empty_cache) holds
+    no memory there: its row counts only mapped pages, so the rows add up to the totals."""
+    sim_device("1GiB")
+    with MemoryManager("sim:0", MemoryConfig(**EXACT, expandable_segments=True)) as mm:
+        bufs = [mm.malloc(3 * MiB) for _ in range(10)]
+        for b in bufs[::2]:
+            b.free()
+        mm.empty_cache()                                # unmaps the whole free pages
+        segs = mm.pool.segments()
+        assert any(b["state"] == "unmapped" for s in segs for b in s["blocks"])
+        st, rows = mm.stats(), summary_data(mm)["segments_by_class"]
+        assert sum(r["reserved_bytes"] for r in rows) == st.reserved_bytes
+        assert sum(r["in_use_bytes"] for r in rows) == st.in_use_bytes
+        assert sum(r["cached_bytes"] for r in rows) == st.cached_bytes
+        for b in bufs[1::2]:
+            b.free()
+
+
 def test_summary_table_reads_at_a_glance(tracked):
     text = tracked.memory_summary(top_tags=2)
     st = tracked.stats()
-    for label, value in (("reserved", st.total_allocated_bytes), ("in use", st.in_use_bytes),
-                         ("cached", st.pooled_bytes), ("largest free block",
+    for label, value in (("reserved", st.reserved_bytes), ("in use", st.in_use_bytes),
+                         ("cached", st.cached_bytes), ("largest free block",
                                                        st.largest_free_block)):
         line = next(x for x in text.splitlines() if x.startswith(label))
         assert format_bytes(value) in line, (label, line)

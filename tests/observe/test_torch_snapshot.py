@@ -186,7 +186,7 @@ def test_torchs_memory_viz_reads_the_export(tmp_path):
     with open(path, "rb") as f:
         data = pickle.load(f)
     summary = viz.segsum(data)
-    reserved = mm.stats().total_allocated_bytes
+    reserved = mm.stats().reserved_bytes
     assert f"segments: {len(data['segments'])}" in summary
     assert f"total_reserved: {viz.Bytes(reserved)}" in summary
     text = viz.trace(data)

@@ -235,7 +235,7 @@ def test_stacks_off_keeps_no_python_state_per_untagged_buffer():
     (live buffers, bytes, counts, stream) come from the pool's live blocks and counters."""
     mm = _manager()
     t = mm.tracker
-    assert t.reads_pool and not mm._hooks and mm._observers == []
+    assert t.reads_pool and not mm._hooks and not mm._observers
     s = mm.device.create_stream()
     plain = [mm.malloc(1000 + i) for i in range(5)]
     tagged = mm.malloc(2 * MiB, tag="kv", stream=s)

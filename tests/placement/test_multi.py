@@ -313,7 +313,7 @@ def test_stats_and_totals(sims):
         assert multi.emergency_cleanup_all() == 30 * MiB
         bufs[0].free()
         assert multi.empty_cache() == 10 * MiB
-        assert sum(s.total_allocated_bytes for s in multi.stats().values()) == 20 * MiB
+        assert sum(s.reserved_bytes for s in multi.stats().values()) == 20 * MiB
 
 
 def test_with_a_real_backend_when_selected(sims):

@@ -1,0 +1,303 @@
+"""Segment growth: where a manager's pool gets memory from, and how it gives it back.
+
+:class:`SegmentGrowth` is the one object behind which the pool grows and shrinks: plain
+segments from the driver (within ``usable_memory`` and ``min_free_bytes``, giving idle cached
+segments back first as the config asks), expandable segments (their pages mapped, moved and
+trimmed: :mod:`gpumem.manager.expandable`), the segments a batch carves many requests from
+(:mod:`gpumem.manager.batch`), and every release of cached memory (``empty_cache``, ``shrink``,
+the cache cap, pressure responses, the OOM ladder, ``close``). The miss path
+(:mod:`gpumem.manager.miss_path`) calls :meth:`SegmentGrowth.grow`; batches and expandable
+segments call the calls of :class:`Growth`, its declared interface, and nothing else of the
+manager.
+
+Buffers come from the manager's Cython core through a
+:class:`~gpumem._core.manager_core.CoreAccess`, which holds the manager weakly: this object never
+keeps its manager alive.
+
+Thread safety: every method that changes the pool's segments runs under ``lock`` (the
+manager's slow-path RLock, docs/concurrency.md); the pool's own C lock guards its structures.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import warnings
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
+
+from gpumem.errors import DriverError, DriverOutOfMemory
+from gpumem.manager.expandable import ExpandableSegments
+from gpumem.units import format_bytes
+
+if TYPE_CHECKING:
+    from gpumem._core.buffer import Buffer
+    from gpumem._core.manager_core import CoreAccess
+    from gpumem._core.pool import CachingPool
+    from gpumem.backends.base import Device
+    from gpumem.config import MemoryConfig
+    from gpumem.manager.pressure import PressureWatch
+    from gpumem.manager.stream_book import StreamBook
+
+__all__ = ["Growth", "SegmentGrowth", "FRAGMENTATION_WARNING"]
+
+log = logging.getLogger("gpumem")
+
+#: a miss that needs a new segment warns when the cache holds enough free bytes for the request
+#: but more than this share of them (1 - largest free block / cached) lies in smaller pieces
+FRAGMENTATION_WARNING = 0.30
+
+
+class Growth(Protocol):
+    """What batches and expandable segments may call to place requests in new memory."""
+
+    lock: threading.RLock          # held while the pool's segments change
+    pool: CachingPool
+    device: Device
+    config: MemoryConfig
+    usable_memory: int             # the most bytes the pool may hold from the device
+    expandable: ExpandableSegments | None
+
+    def alloc_cached(self, nbytes: int, stream: int, tag: Any) -> Buffer | None: ...
+    def alloc_from_idle_streams(self, nbytes: int, stream: int, tag: Any) -> Buffer | None: ...
+    def new_segment(self, sizes: Sequence[int],
+                    small: bool | None = None) -> tuple[int, int, int] | None: ...
+    def alloc_in_new_segment(self, handle: int, base: int, seg_size: int, nbytes: int,
+                             stream: int, tag: Any) -> Buffer: ...
+    def alloc_in_grown_segment(self, handle: int, extra: int, nbytes: int, stream: int,
+                               tag: Any) -> Buffer | None: ...
+    def segment_allowed(self, seg_size: int, reserved: int, free: int) -> bool: ...
+    def release_cached(self, max_bytes: int | None = None, *, reason: str = "",
+                       small: bool | None = None) -> int: ...
+    def release_segments(self, segments: Sequence[tuple]) -> int: ...
+    def reserved_changed(self) -> None: ...
+
+
+class SegmentGrowth:
+    """The segments of one manager's pool (see the module docstring); implements
+    :class:`Growth`."""
+
+    def __init__(self, core: CoreAccess, pool: CachingPool, device: Device,
+                 config: MemoryConfig, usable_memory: int, lock: threading.RLock,
+                 streams: StreamBook, pressure: PressureWatch, *, expandable: bool) -> None:
+        self._core = core
+        self.pool = pool
+        self.device = device
+        self.config = config
+        self.usable_memory = usable_memory
+        self.lock = lock
+        self.streams = streams
+        self.pressure = pressure
+        self.max_pool_size: int | None = config.max_pool_size   # the cache cap (trim_cache)
+        self._frag_warned = False
+        self.expandable: ExpandableSegments | None = (ExpandableSegments(self) if expandable
+                                                      else None)
+
+    # --- Buffers from the pool (through the core) --------------------------------------------
+    def alloc_cached(self, nbytes: int, stream: int, tag: Any) -> Buffer | None:
+        """A retry of the cache only; None on a miss."""
+        return self._core.alloc_cached(nbytes, stream, tag)
+
+    def alloc_from_idle_streams(self, nbytes: int, stream: int, tag: Any) -> Buffer | None:
+        """Blocks cached by streams whose work has finished join ``stream``'s heaps, then the
+        cache is tried again; None when that does not serve the request."""
+        if not self.streams.reclaim_idle(stream):
+            return None
+        return self.alloc_cached(nbytes, stream, tag)
+
+    def alloc_in_new_segment(self, handle: int, base: int, seg_size: int, nbytes: int,
+                             stream: int, tag: Any) -> Buffer:
+        """The pool adopts a new segment and serves the request from it; MemoryError when the
+        pool could not record it (not adopted: the caller still owns the segment)."""
+        return self._core.alloc_in_new_segment(handle, base, seg_size, nbytes, stream, tag)
+
+    def alloc_in_grown_segment(self, handle: int, extra: int, nbytes: int, stream: int,
+                               tag: Any) -> Buffer | None:
+        """The request from segment ``handle`` grown by ``extra`` mapped bytes; None when the
+        pool did not take them (nothing changed)."""
+        return self._core.alloc_in_grown_segment(handle, extra, nbytes, stream, tag)
+
+    def reserved_changed(self) -> None:
+        """The bytes held from the device changed: the pressure level may have too."""
+        self.pressure.update(self)
+
+    # --- growth ----------------------------------------------------------------------------------
+    def grow(self, nbytes: int, stream: int, tag: Any) -> Buffer | None:
+        """A new segment (or expandable pages) for a miss, within usable_memory and
+        min_free_bytes; None when the limits or the driver refuse. Runs under ``lock``."""
+        self._check_fragmentation(nbytes)
+        rounded = self.pool.round_size(nbytes)
+        if self.expandable is not None and rounded > self.pool.small_size:
+            buf = self.expandable.grow(nbytes, stream, tag)
+            if buf is not None:
+                self.reserved_changed()
+            return buf
+        seg = self.new_segment((self.pool.segment_size(nbytes), rounded),
+                               small=rounded <= self.pool.small_size)
+        if seg is None:
+            return None
+        handle, base, seg_size = seg
+        try:
+            buf = self.alloc_in_new_segment(handle, base, seg_size, nbytes, stream, tag)
+        except BaseException:
+            self.device.free_segment(handle)      # the pool did not adopt it
+            raise
+        self.reserved_changed()
+        return buf
+
+    def new_segment(self, sizes: Sequence[int],
+                    small: bool | None = None) -> tuple[int, int, int] | None:
+        """``(handle, base, size)`` of a raw segment of the first of `sizes` (largest first:
+        the preferred size, then fall-backs) that the limits allow and the driver grants; None
+        if none. Idle cached segments are given back first as the config asks. `small` says
+        which pool the segment is for (None: unknown)."""
+        preferred = sizes[0]
+        pool = self.pool
+        past_mark = pool.reserved_bytes + preferred > pool.peak_reserved_bytes
+        if not small:
+            # max_pooled_per_bucket caps idle *large* segments: enforced when the large pool
+            # grows, not on every small-pool growth (one small segment would otherwise release
+            # every surplus large one, which the next pass of the workload allocates again)
+            self._release_excess_per_bucket()
+        if (self.config.release_before_grow and past_mark
+                and pool.whole_free_bytes >= preferred):
+            # growth would set a new high-water mark while idle segments could offset it:
+            # give back as much as we are about to take (largest first). Below the mark the
+            # cache is kept, so a warm steady state does not churn the driver. A large-pool
+            # growth never takes the small pool's idle segments: they cannot hold its request,
+            # and the small pool would only have to grow them back on its next busy phase.
+            self.release_cached(preferred, reason="release before grow",
+                                small=False if small is False else None)
+        if (self.config.release_before_grow and past_mark and small
+                and self.expandable is not None and self.expandable.trimmable() >= preferred):
+            # the small pool cannot use the large pool's free pages, but they can go back
+            # to the device first: the high-water mark stays where it is
+            self.expandable.trim(preferred)
+        reserved = pool.reserved_bytes
+        free, _ = self.device.mem_get_info()
+        for size in dict.fromkeys(sizes):
+            if not self.segment_allowed(size, reserved, free):
+                continue
+            try:
+                handle, base = self.device.alloc_segment(size)
+            except DriverOutOfMemory as exc:
+                log.debug("driver refused a %s segment on %s: %s", format_bytes(size),
+                          self.device.device_string, exc)
+                return None
+            log.debug("new %s segment on %s (reserved now %s)", format_bytes(size),
+                      self.device.device_string, format_bytes(reserved + size))
+            return handle, base, size
+        return None
+
+    def segment_allowed(self, seg_size: int, reserved: int, free: int) -> bool:
+        """Whether ``seg_size`` more bytes stay within usable memory (``reserved`` held now)
+        and leave ``min_free_bytes`` of the driver's ``free``."""
+        return (reserved + seg_size <= self.usable_memory
+                and free - seg_size >= self.config.min_free_bytes)
+
+    def _check_fragmentation(self, nbytes: int) -> None:
+        """On a miss that needs a new segment: warn when the cache holds enough free bytes for
+        the request but no block large enough, with fragmentation (1 - largest free block /
+        cached) above FRAGMENTATION_WARNING. WARNING once, DEBUG after; re-armed once it falls
+        below half the threshold."""
+        reserved = self.pool.reserved_bytes
+        pooled = reserved - self.pool.in_use_bytes
+        # a cache smaller than two large segments, or a small share of what is held, cannot
+        # be meaningfully fragmented: no warning
+        if pooled < nbytes or pooled < 2 * self.config.large_segment or pooled * 10 < reserved:
+            return
+        largest = self.pool.largest_free_block()
+        if nbytes <= largest:
+            return                                # not fragmentation (size class / stream)
+        frag = 1.0 - largest / pooled
+        if frag > FRAGMENTATION_WARNING:
+            level = logging.DEBUG if self._frag_warned else logging.WARNING
+            self._frag_warned = True
+            log.log(level, "%s: fragmentation %.0f%%: %s cached but the largest free block is "
+                    "%s, so a %s request needs a new segment (%s can help)",
+                    self.device.device_string, 100 * frag, format_bytes(pooled),
+                    format_bytes(largest), format_bytes(nbytes),
+                    "MemoryConfig(expandable_segments=True)"
+                    if self.expandable is None and self.device.supports_virtual_memory
+                    else "MemoryConfig.max_split_size or empty_cache()")
+        elif frag < FRAGMENTATION_WARNING / 2:
+            self._frag_warned = False
+
+    # --- giving memory back ----------------------------------------------------------------------
+    def release_segments(self, segments: Sequence[tuple]) -> int:
+        """Return detached segments to the driver; a refused one goes back into the pool."""
+        released = 0
+        for handle, base, size, is_small, stream in segments:
+            if self.expandable is not None and self.expandable.owns(handle):
+                released += self.expandable.release(handle)
+                continue
+            try:
+                self.device.free_segment(handle)
+                released += size
+            except DriverError as exc:
+                self.pool.restore_segment(handle, base, size, is_small, stream)
+                warnings.warn(f"gpumem: {self.device.device_string} refused to free a segment "
+                              f"({exc}); it stays cached", RuntimeWarning)
+        if released:
+            log.debug("released %s of cached segments on %s", format_bytes(released),
+                      self.device.device_string)
+        return released
+
+    def release_cached(self, max_bytes: int | None = None, *, reason: str = "",
+                       small: bool | None = None) -> int:
+        """Release wholly free segments, largest first (only those of one pool if `small` is
+        given), and free pages of expandable segments; the bytes released."""
+        with self.lock:
+            if (self.pool.reserved_bytes == self.pool.in_use_bytes
+                    and (self.expandable is None or not self.expandable.holds_empty())):
+                return 0
+            kwargs = {} if max_bytes is None else {"max_bytes": max_bytes}
+            if small is not None:
+                kwargs["small"] = int(small)
+            detached = self.pool.release_free_segments(**kwargs)
+            released = 0
+            if detached:
+                self.device.synchronize()         # no pending work may touch what we free
+                released = self.release_segments(detached)
+            if self.expandable is not None and small is not True:
+                # free tails of expandable segments go back page by page
+                left = None if max_bytes is None else max(0, max_bytes - released)
+                if left != 0:
+                    released += self.expandable.trim(left)
+            if released:
+                log.debug("%s: released %s (%s)", self.device.device_string,
+                          format_bytes(released), reason)
+                self.reserved_changed()
+            return released
+
+    def _release_excess_per_bucket(self) -> None:
+        excess = self.pool.excess_free_segments(self.config.max_pooled_per_bucket)
+        if excess:
+            self.device.synchronize()
+            self.release_segments(excess)
+
+    def trim_cache(self) -> None:
+        """Called by free() when cached bytes exceed ``max_pool_size``."""
+        limit = self.max_pool_size
+        if limit is None:
+            return
+        pooled = self.pool.reserved_bytes - self.pool.in_use_bytes
+        # whole_free_bytes is a C counter: no search (and no synchronize) on each free when
+        # the cached bytes sit in partly used segments and nothing can be released
+        if pooled > limit and (self.pool.whole_free_bytes or (
+                self.expandable is not None and self.expandable.trimmable())):
+            self.release_cached(pooled - limit, reason="max_pool_size")
+
+    def return_everything(self) -> None:
+        """close(): every segment back to the driver (after the device finished its work)."""
+        try:
+            self.device.synchronize()
+        except Exception as exc:  # close() always goes on to return the segments
+            warnings.warn(f"gpumem: synchronize failed while closing: {exc}", RuntimeWarning)
+        for handle in self.pool.live_segment_handles():
+            if self.expandable is not None and self.expandable.owns(handle):
+                self.expandable.release(handle)
+                continue
+            try:
+                self.device.free_segment(handle)
+            except Exception as exc:  # keep returning the others
+                warnings.warn(f"gpumem: could not free segment {handle:#x} on close: {exc}",
+                              RuntimeWarning)
