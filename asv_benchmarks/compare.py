@@ -3,6 +3,7 @@
     python asv_benchmarks/compare.py --backend sim     [--quick] [--json out.json]
     python asv_benchmarks/compare.py --backend opencl  [--quick] [--json out.json]
     python asv_benchmarks/compare.py --backend cuda    [--quick] [--json out.json]
+    python asv_benchmarks/compare.py --seed-table [--backend opencl|cuda] [--quick]
 
 sim     C-level pool hit pair (the .pxd API, compiled _cbench), the O(1) check (1,000,000 vs 10
         cached free blocks, one run), Python-level hit pair and mixed workload on a 1 TiB
@@ -15,6 +16,9 @@ opencl  gpumem MemoryManager("opencl:0") vs pyopencl.tools.MemoryPool(ImmediateA
 cuda    gpumem MemoryManager("cuda:0") vs raw cuMemAlloc/cuMemFree, cuMemAllocAsync/FreeAsync
         on a stream, cuda.core DeviceMemoryResource, CuPy MemoryPool, torch's caching allocator;
         each peer is skipped with the reason when its package (or the GPU) is absent.
+--seed-table  the five scenarios of the seed's table (seed_table.py, docs/benchmarks.md) on
+        opencl (the default: vs pyopencl's pool and a cl.Buffer per allocation) or cuda (vs
+        torch, CuPy, RMM and cuMemAlloc per allocation).
 
 Every peak held / peak live table also shows the model of PyTorch's caching allocator
 (gpumem.TorchAllocatorModel, default and expandable_segments:True): untimed, a model.
@@ -648,7 +652,11 @@ def _git_commit() -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--backend", choices=("sim", "opencl", "cuda"), default="sim")
+    ap.add_argument("--backend", choices=("sim", "opencl", "cuda"), default=None,
+                    help="sim (the default), opencl or cuda; --seed-table: opencl (default) "
+                         "or cuda")
+    ap.add_argument("--seed-table", action="store_true",
+                    help="the seed's five scenarios against the backend's peers")
     ap.add_argument("--quick", action="store_true", help="fewer, shorter repeats")
     ap.add_argument("--no-traces", action="store_true", help="skip the trace replays")
     ap.add_argument("--synthetic", default="serving,varlen,training",
@@ -665,14 +673,23 @@ def main(argv=None) -> int:
     ap.add_argument("--json", metavar="PATH", help="also save every figure as JSON")
     args = ap.parse_args(argv)
 
+    if args.backend is None:
+        args.backend = "opencl" if args.seed_table else "sim"
+    if args.seed_table and args.backend == "sim":
+        ap.error("--seed-table runs against a device's peers: --backend opencl or cuda")
     timer = Timer(args.quick, args.clock)
     started = datetime.datetime.now()
     commit = _git_commit()
-    print(f"gpumem compare: backend {args.backend}, {'quick' if args.quick else 'full'}; "
+    print(f"gpumem compare: backend {args.backend}, {'quick' if args.quick else 'full'}"
+          f"{', seed table' if args.seed_table else ''}; "
           f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
           f"Python {platform.python_version()}; repo at {commit}; {started:%Y-%m-%d %H:%M}")
-    mode = {"sim": run_sim, "opencl": run_opencl, "cuda": run_cuda}[args.backend]
-    summary = mode(timer, args)
+    if args.seed_table:
+        import seed_table
+        summary = {"seed_table": seed_table.run(timer, args.backend)}
+    else:
+        mode = {"sim": run_sim, "opencl": run_opencl, "cuda": run_cuda}[args.backend]
+        summary = mode(timer, args)
     print_table([r for r in RESULTS if r.get("bench") != "(all)"])
     skipped_peers = [r for r in RESULTS if r.get("bench") == "(all)"]
     for r in skipped_peers:
@@ -680,7 +697,7 @@ def main(argv=None) -> int:
     for n in NOTES:
         print(f"note: {n}")
     print("\nsummary")
-    lines = summarize(args.backend, summary)
+    lines = summary["seed_table"] if args.seed_table else summarize(args.backend, summary)
     for line in lines:
         print(f"  {line}")
     print(f"(took {(datetime.datetime.now() - started).total_seconds():.0f} s)")

@@ -261,7 +261,12 @@ class CudaCorePeer(CudaAsyncPeer):
 
 
 class CupyPeer(Peer):
+    """CuPy's MemoryPool; with a budget, ``set_limit(size=budget)`` (the pool frees its cached
+    blocks and retries when a request would pass the limit)."""
     name = "CuPy MemoryPool"
+
+    def __init__(self, budget: int | None = None):
+        self.budget = budget
 
     def open(self):
         try:
@@ -273,12 +278,19 @@ class CupyPeer(Peer):
 
     def make(self) -> Inst:
         pool = self.cupy.cuda.MemoryPool()
+        if self.budget is not None:
+            pool.set_limit(size=self.budget)
         # MemoryPointer objects return to the pool when dropped: free=None
         return Inst(pool.malloc, None, pool.free_all_blocks, poll=pool.total_bytes)
 
 
 class TorchPeer(Peer):
+    """torch's CUDA caching allocator; with a budget, ``set_per_process_memory_fraction`` of
+    the device's total (torch frees its cached blocks and retries before failing there)."""
     name = "torch caching allocator"
+
+    def __init__(self, budget: int | None = None):
+        self.budget = budget
 
     def open(self):
         try:
@@ -296,9 +308,47 @@ class TorchPeer(Peer):
         cuda.synchronize()
         cuda.empty_cache()
         cuda.reset_peak_memory_stats(0)
+        total = cuda.get_device_properties(0).total_memory
+        cuda.set_per_process_memory_fraction(
+            1.0 if self.budget is None else min(1.0, self.budget / total), 0)
         alloc, free = cuda.caching_allocator_alloc, cuda.caching_allocator_delete
         return Inst(alloc, free, cuda.empty_cache, peak=lambda: cuda.max_memory_reserved(0))
 
+
+
+class RmmPeer(Peer):
+    """RAPIDS RMM's ``PoolMemoryResource`` over ``CudaMemoryResource`` (the pool RMM users
+    configure); with a budget, ``maximum_pool_size=budget`` (RMM's pool then fails a request it
+    cannot place: it does not give memory back). Handles are (pointer, size)."""
+    name = "RMM PoolMemoryResource"
+
+    def __init__(self, budget: int | None = None):
+        self.budget = budget
+
+    def open(self):
+        try:
+            import rmm.mr
+            self.mr_module = rmm.mr
+            _CudaContext.get()
+        except Skip:
+            raise
+        except Exception as exc:
+            raise Skip(f"RMM unavailable: {type(exc).__name__}: {exc}") from None
+
+    def make(self) -> Inst:
+        mr_module = self.mr_module
+        kwargs = {} if self.budget is None else {"initial_pool_size": self.budget,
+                                                  "maximum_pool_size": self.budget}
+        mr = mr_module.PoolMemoryResource(mr_module.CudaMemoryResource(), **kwargs)
+        allocate, deallocate = mr.allocate, mr.deallocate
+
+        def alloc(n):
+            return (allocate(n), n)
+
+        def free(handle):
+            deallocate(handle[0], handle[1])
+
+        return Inst(alloc, free, lambda: None)
 
 
 class TorchModelPeer(Peer):

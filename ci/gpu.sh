@@ -10,6 +10,7 @@
 #   GPUMEM_TEST_BACKENDS=...     backends under test (default: sim,cpu,cuda)
 #   ALLOW_NO_CUDA=1              run anyway when the CUDA backend reports itself unavailable
 #   GPUMEM_FRAMEWORK_EXTRAS="numba cupy torch"   frameworks installed for gpumem.integrations
+#   RMM_PACKAGE=rmm-cu12         RAPIDS RMM wheel for the seed table (rmm-cu13 on CUDA 13)
 #
 # Exit status: non-zero if the tests fail (or CUDA is unavailable without ALLOW_NO_CUDA=1).
 # The benchmark comparison is informative only; its failure is reported, not fatal.
@@ -54,6 +55,13 @@ for extra in ${GPUMEM_FRAMEWORK_EXTRAS:-numba cupy torch}; do
         echo "could not install the '$extra' extra (see $REPORT_DIR/pip-$extra.log): skipped"
     fi
 done
+
+# RAPIDS RMM, a peer of the seed table (asv_benchmarks/seed_table.py); best effort as above
+if python -m pip install -q "${RMM_PACKAGE:-rmm-cu12}" > "$REPORT_DIR/pip-rmm.log" 2>&1; then
+    echo "installed ${RMM_PACKAGE:-rmm-cu12}"
+else
+    echo "could not install ${RMM_PACKAGE:-rmm-cu12} (see $REPORT_DIR/pip-rmm.log): its seed-table rows are skipped"
+fi
 
 # --- 3. CUDA backend available? ---------------------------------------------------------------
 log "CUDA backend"
@@ -113,6 +121,11 @@ else
     bench_status="missing compare.py"
 fi
 
+log "the seed table: five scenarios vs torch, CuPy, RMM and cuMemAlloc per allocation"
+seed_status="ok"
+python asv_benchmarks/compare.py --backend cuda --seed-table \
+    --json "$REPORT_DIR/seed-table-cuda.json" || seed_status="failed (exit $?)"
+
 log "CUDA call cost: gpumem's Cython module vs cuda.bindings.driver"
 python asv_benchmarks/cuda_calls.py || echo "cuda_calls.py failed (exit $?)"
 
@@ -122,11 +135,12 @@ python asv_benchmarks/frameworks_gpu.py || frameworks_status="failed (exit $?)"
 
 # --- 6. summary -------------------------------------------------------------------------------
 log "summary"
-python - "$JUNIT" "$GPU_MODEL" "$BACKENDS" "$bench_status" "$test_rc" "$frameworks_status" <<'EOF'
+python - "$JUNIT" "$GPU_MODEL" "$BACKENDS" "$bench_status" "$test_rc" "$frameworks_status" \
+    "$seed_status" <<'EOF'
 import sys
 import xml.etree.ElementTree as ET
 
-junit, gpu, backends, bench, rc, frameworks = sys.argv[1:]
+junit, gpu, backends, bench, rc, frameworks, seed = sys.argv[1:]
 counts = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
 try:
     root = ET.parse(junit).getroot()
@@ -146,6 +160,7 @@ rows = [
     ("skipped", counts["skipped"]),
     ("pytest exit", rc),
     ("benchmark compare", bench),
+    ("seed table", seed),
     ("frameworks", frameworks),
 ]
 width = max(len(k) for k, _ in rows)

@@ -50,17 +50,17 @@ cdef inline gm_block* _front_take(gm_pool* p, gm_shard* sh, size_t s, size_t nby
     not the pool's."""
     cdef gm_front_bin* bin = _bin(sh, s, stream)
     cdef gm_block* b
-    if (bin.count == 0 or bin.size != s or bin.stream != stream
-            or sh.serial_next == sh.serial_end):
+    cdef uint64_t serial = sh.serial_next
+    if bin.count == 0 or bin.size != s or bin.stream != stream or serial == sh.serial_end:
         return NULL
     bin.count -= 1
     b = bin.blocks[bin.count]
-    b.serial = sh.serial_next
-    sh.serial_next += 1
+    b.serial = serial
+    sh.serial_next = serial + 1
     b.requested = nbytes
     if sh.history.events == NULL and p.history_capacity.load(memory_order_relaxed):
         _ring_init(&sh.history, p.history_capacity.load(memory_order_relaxed))
-    _record(&sh.history, 0, b.serial, nbytes, stream)
+    _record(&sh.history, 0, serial, nbytes, stream)   # a local: no reload after the stores
     gm_sub(sh.cached_bytes, b.size)
     gm_sub(sh.cached_blocks, 1)
     gm_add(sh.requested_delta, nbytes)

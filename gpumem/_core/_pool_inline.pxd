@@ -108,10 +108,13 @@ cdef inline void _ring_init(gm_ring* r, size_t capacity) noexcept nogil:
     r.events = NULL
     r.count = 0
     r.capacity = capacity
+    r.mask = capacity - 1 if capacity else 0
+    r.last_t = <uint64_t>-1           # no event yet: the first one takes _record's tick path
     if capacity:
         r.events = <gm_event*>malloc(sizeof(gm_event) * capacity)
         if r.events == NULL:
             r.capacity = 0
+            r.mask = 0
 
 
 # ---------------------------------------------------------------------------------------------

@@ -21,9 +21,12 @@ Thread safety (docs/concurrency.md): the pool lock is taken through the GIL-awar
 cimport cython
 from libc.stdint cimport uint64_t
 from cpython.long cimport PyLong_AsLongLong, PyLong_AsLongLongAndOverflow
+from cpython.ref cimport PyObject
+from cpython.tuple cimport PyTuple_GET_ITEM, PyTuple_GET_SIZE
 
 from gpumem._core.buffer cimport Buffer, new_buffer
 from gpumem._core.manager_base cimport ManagerBase
+from gpumem._core.native_cache cimport NativeCache
 from gpumem._core.pool cimport (CachingPool, gm_pool, gm_block, gm_alloc_gil, gm_free_gil,
                                 GM_OK)
 
@@ -247,6 +250,34 @@ cdef class CoreAccess:
         return core._ndead != 0 and stream in core._dead_streams
 
 
+@cython.binding(False)
+def _pyopencl_buffer(ManagerCore core, uint64_t stream, object from_int_ptr, object slow,
+                     object nbytes):
+    """The body of gpumem.integrations.pyopencl's allocator (a functools.partial of it): a
+    new ``pyopencl.Buffer`` on the block's cached sub-buffer (retained: its death, not the
+    shared sub-buffer's, returns the block, which it carries). A plain device allocation of a
+    positive size runs here with no Python frame; anything else (a bad size, a block in host
+    memory) goes to ``slow(nbytes[, host_buffer])``, which raises the errors."""
+    cdef long long n = -1
+    cdef int overflow = 0
+    cdef size_t cl_mem
+    cdef NativeCache cache = core._native_cache
+    if type(nbytes) is int:
+        n = PyLong_AsLongLongAndOverflow(nbytes, &overflow)
+    if overflow or not 0 < n < _SIZE_TOO_BIG or cache is None:
+        return slow(nbytes)
+    buf = core._malloc_c(n, stream, None)
+    if type(buf) is not Buffer:
+        return slow(nbytes, buf)
+    cl_mem = cache.find_int_ptr((<Buffer>buf)._ptr, <size_t>n)
+    if cl_mem == 0:
+        sub = (<Buffer>buf).native     # a miss: the device creates and caches the sub-buffer
+        cl_mem = cache.find_int_ptr((<Buffer>buf)._ptr, <size_t>n) or sub.int_ptr
+    mem = from_int_ptr(cl_mem, True)
+    mem._gpumem_buffer = buf
+    return mem
+
+
 cdef class PlacementCore:
     """The hot path of gpumem.MultiDeviceManager: "most free usable memory" read from each
     pool's C counters, then that manager's malloc, with no Python frame in between. Anything
@@ -261,14 +292,20 @@ cdef class PlacementCore:
     def _set_members(self, managers) -> None:
         self._members = tuple(managers)
 
+    # plain method descriptors, like ManagerCore.malloc/free: no CyFunction call per pair
+    @cython.binding(False)
+    @cython.embedsignature(True)
+    @cython.embedsignature.format("clinic")
     def free(self, buffer) -> None:
         """Free a buffer through the manager that allocated it (ForeignBufferError if that is
         not one of this object's managers)."""
         cdef ManagerBase owner
-        if type(buffer) is Buffer and self._members is not None:
+        cdef tuple members = self._members
+        cdef Py_ssize_t i
+        if type(buffer) is Buffer and members is not None:
             owner = (<Buffer>buffer)._owner
-            for m in self._members:
-                if m is owner:
+            for i in range(PyTuple_GET_SIZE(members)):     # identity compares, no refcounts
+                if PyTuple_GET_ITEM(members, i) == <PyObject*>owner:
                     owner._release(buffer)
                     return
         self._free_other(buffer)
@@ -276,25 +313,37 @@ cdef class PlacementCore:
     def _free_other(self, buffer):
         raise TypeError("PlacementCore is abstract: use gpumem.MultiDeviceManager")
 
+    @cython.binding(False)
+    @cython.embedsignature(True)
+    @cython.embedsignature.format("clinic")
     def allocate_on_best_device(self, nbytes, name=None, *, stream=None, tag=None):
         """Allocate nbytes on the device the policy picks; a `name` pins the device on its
         first allocation and later ones follow it."""
-        cdef ManagerCore core
-        cdef ManagerCore best = None
-        cdef size_t in_use, room, best_room = 0
-        if (name is None and stream is None and self._fast_cores is not None
-                and type(nbytes) is int and 0 <= nbytes < _SIZE_TOO_BIG):
-            for core in self._fast_cores:
-                if core._closed:
-                    best = None
-                    break
-                in_use = core._p.stats.in_use_bytes.load()
-                room = core._max_request - in_use if core._max_request > in_use else 0
-                if best is None or room > best_room:
-                    best = core
-                    best_room = room
-            if best is not None:
-                return best._malloc_c(<long long>nbytes, 0, tag)
+        cdef tuple cores = self._fast_cores
+        cdef PyObject* core
+        cdef PyObject* best = NULL
+        cdef size_t in_use, room, best_room = 0, limit
+        cdef long long n = -1
+        cdef int overflow = 0
+        cdef Py_ssize_t i
+        if name is None and stream is None and cores is not None and type(nbytes) is int:
+            # the size in C, as in ManagerCore.malloc: no Python int is built per call
+            n = PyLong_AsLongLongAndOverflow(nbytes, &overflow)
+            if not overflow and 0 <= n < _SIZE_TOO_BIG:
+                # "most free": one C load per device (borrowed references, no Python frame)
+                for i in range(PyTuple_GET_SIZE(cores)):
+                    core = PyTuple_GET_ITEM(cores, i)
+                    if (<ManagerCore>core)._closed:
+                        best = NULL
+                        break
+                    in_use = (<ManagerCore>core)._p.stats.in_use_bytes.load()
+                    limit = (<ManagerCore>core)._max_request
+                    room = limit - in_use if limit > in_use else 0
+                    if best == NULL or room > best_room:
+                        best = core
+                        best_room = room
+                if best != NULL:
+                    return (<ManagerCore>best)._malloc_c(n, 0, tag)
         return self._allocate(nbytes, name, stream, tag)
 
     def _allocate(self, nbytes, name, stream, tag):

@@ -8,6 +8,7 @@ from libcpp.unordered_map cimport unordered_map
 cdef struct native_slot:
     size_t nbytes
     PyObject* obj           # borrowed: the tuple in NativeCache._entries owns it
+    size_t int_ptr          # obj.int_ptr (an OpenCL cl_mem), read on first use; 0: not yet
 
 
 cdef class NativeCache:
@@ -17,3 +18,4 @@ cdef class NativeCache:
     cdef native_slot _last                          # (obj NULL: none; reset by every write)
 
     cdef PyObject* find(self, size_t ptr, size_t nbytes) noexcept
+    cdef size_t find_int_ptr(self, size_t ptr, size_t nbytes) except? 0

@@ -44,6 +44,23 @@ cdef class NativeCache:
         self._last = deref(it).second
         return self._last.obj
 
+    cdef size_t find_int_ptr(self, size_t ptr, size_t nbytes) except? 0:
+        """The ``int_ptr`` of the object cached for exactly ``nbytes`` at ``ptr`` (its OpenCL
+        cl_mem, for pyopencl's ``Buffer.from_int_ptr``), read from the object once and then
+        kept in the index; 0 when nothing is cached there."""
+        cdef unordered_map[size_t, native_slot].iterator it = self._index.find(ptr)
+        cdef size_t value
+        if it == self._index.end() or deref(it).second.nbytes != nbytes:
+            return 0
+        value = deref(it).second.int_ptr
+        if value == 0:
+            value = getattr(<object>deref(it).second.obj, "int_ptr")
+            it = self._index.find(ptr)     # the read ran Python code (a GC pass may drop
+            if it != self._index.end() and deref(it).second.nbytes == nbytes:   # entries)
+                deref(it).second.int_ptr = value
+            self._last.obj = NULL
+        return value
+
     def __setitem__(self, ptr, entry) -> None:
         cdef size_t key = _address(ptr)
         cdef native_slot slot
@@ -52,6 +69,7 @@ cdef class NativeCache:
                                     f"segment handle), got {entry!r}")
         slot.nbytes = _nbytes(entry[0])
         slot.obj = <PyObject*>entry[1]
+        slot.int_ptr = 0
         self._last.obj = NULL
         self._index.erase(key)           # first: the dict may free the entry it replaces
         self._entries[ptr] = entry
@@ -115,6 +133,10 @@ cdef class NativeCache:
     def _index_size(self) -> int:
         """Entries in the C index (equals len(self); for tests)."""
         return self._index.size()
+
+    def _find_int_ptr(self, size_t ptr, size_t nbytes) -> int:
+        """find_int_ptr for tests: the cached object's int_ptr, 0 when nothing is cached."""
+        return self.find_int_ptr(ptr, nbytes)
 
     def _find(self, size_t ptr, size_t nbytes):
         """What ``Buffer.native`` finds for (ptr, nbytes) through the C index, or None (for

@@ -69,7 +69,7 @@ from gpumem._core._pool_inline cimport (
     _shard_lock_gil, _shard_unlock, _ring_init, _class_of, _heap_insert, _heap_remove,
     _take_fit, _new_block, _drop_block, _slot, _register_stream, _coalesce_insert,
     _round_up, _round_size, _find_segment, _last_block, _lock_all_gil, _unlock_all)
-from gpumem._core._pool_clock cimport _record, gm_clock_ticking
+from gpumem._core._pool_clock cimport _record, gm_clock_ticking, gm_clock_value
 from gpumem._core._pool_front cimport _my_shard, _front_take, _front_put, _top_up_serials
 from gpumem._core cimport pool_history, pool_inspect, pool_pages, pool_segments
 
@@ -600,6 +600,13 @@ cdef class CachingPool:
         """Whether the history clock's ticker thread runs (process-wide; _pool_clock.pxd): it
         starts with the first event and stops after about 2 s without one."""
         return gm_clock_ticking() != 0
+
+    @staticmethod
+    def history_clock_ns() -> int:
+        """The history clock's last reading (CLOCK_MONOTONIC ns, as ``time.monotonic_ns()``):
+        the time the next event records. 0 while no ticker runs (events then read the clock
+        themselves)."""
+        return gm_clock_value()
 
     # --- introspection ------------------------------------------------------------------------
     def segments(self) -> list:

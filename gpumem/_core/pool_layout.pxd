@@ -101,7 +101,9 @@ ctypedef struct gm_event:            # 32 bytes: two per cache line
 ctypedef struct gm_ring:
     gm_event* events                 # NULL: not recording
     size_t capacity                  # a power of two
+    size_t mask                      # capacity - 1 (the hot path's index: one load, no subtract)
     size_t count                     # events written (those before count - capacity are gone)
+    uint64_t last_t                  # the clock value of this ring's last event (~0: none yet)
 
 # Front caches: blocks freed through gm_free by nogil callers are kept, still carved, in a small
 # cache of the freeing thread and handed back by its next gm_alloc of the same (stream, size)

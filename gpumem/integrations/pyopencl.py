@@ -29,6 +29,7 @@ import functools
 from typing import Any
 
 from gpumem._core.buffer import Buffer
+from gpumem._core.manager_core import _pyopencl_buffer
 from gpumem.config import MemoryConfig
 from gpumem.errors import InvalidInputError, OutOfMemoryError
 from gpumem.manager.memory_manager import MemoryManager
@@ -36,9 +37,13 @@ from gpumem.manager.memory_manager import MemoryManager
 __all__ = ["PyOpenCLAllocator", "allocator", "open_manager"]
 
 
-def _allocate(malloc: Any, from_int_ptr: Any, nbytes: int) -> Any:
-    """One pyopencl buffer backed by a gpumem block (the body of every allocator call)."""
-    buf = malloc(nbytes)
+def _allocate(malloc: Any, from_int_ptr: Any, nbytes: int, buf: Any = None) -> Any:
+    """One pyopencl buffer backed by a gpumem block: the allocator's path for what its Cython
+    body (``gpumem._core.manager_core._pyopencl_buffer``) does not take: sizes that are not a
+    positive int (the errors come from here), and `buf`, a block the manager gave in host
+    memory (refused)."""
+    if buf is None:
+        buf = malloc(nbytes)
     if type(buf) is not Buffer:
         buf.free()
         raise OutOfMemoryError(
@@ -61,8 +66,8 @@ def _allocate(malloc: Any, from_int_ptr: Any, nbytes: int) -> Any:
 class PyOpenCLAllocator(functools.partial):
     """``alloc(nbytes) -> pyopencl.Buffer`` from a gpumem manager on an OpenCL device.
 
-    A ``functools.partial`` of the allocation function, so that pyopencl's call reaches it
-    without a Python-level ``__call__`` frame (each array creation pays for it)."""
+    A ``functools.partial`` of the Cython allocation function, so that pyopencl's call reaches
+    it with no Python frame at all (each array creation pays for the allocator call)."""
 
     manager: MemoryManager
     stream: int
@@ -71,7 +76,9 @@ class PyOpenCLAllocator(functools.partial):
         import pyopencl as cl
         malloc = manager.malloc if stream == 0 else functools.partial(manager.malloc,
                                                                      stream=stream)
-        self = super().__new__(cls, _allocate, malloc, cl.Buffer.from_int_ptr)
+        from_int_ptr = cl.Buffer.from_int_ptr
+        slow = functools.partial(_allocate, malloc, from_int_ptr)
+        self = super().__new__(cls, _pyopencl_buffer, manager, stream, from_int_ptr, slow)
         self.manager = manager
         self.stream = stream
         return self

@@ -78,6 +78,38 @@ def test_random_operations_keep_index_and_mapping_in_step():
     agrees(cache, ref)
 
 
+class SubWithHandle(Sub):
+    """A stand-in with an ``int_ptr`` (a pyopencl buffer's cl_mem), counting its reads."""
+
+    def __init__(self, handle: int):
+        self.handle, self.reads = handle, 0
+
+    @property
+    def int_ptr(self) -> int:
+        self.reads += 1
+        return self.handle
+
+
+def test_int_ptr_is_read_once_per_entry_and_only_for_the_exact_size():
+    """find_int_ptr (the pyopencl allocator's lookup, issue 21) gives the cached object's
+    int_ptr, reading the attribute once per entry; a replaced entry is read afresh; a missing
+    or other-size entry gives 0. Level: real (Python stand-ins)."""
+    cache = NativeCache()
+    a = SubWithHandle(0xA000)
+    cache[4096] = (512, a, 1)
+    assert [cache._find_int_ptr(4096, 512) for _ in range(3)] == [0xA000] * 3 and a.reads == 1
+    assert cache._find_int_ptr(4096, 513) == 0 and cache._find_int_ptr(8192, 512) == 0
+    assert cache._find(4096, 512) is a                  # the object lookup is unchanged
+    b = SubWithHandle(0xB000)
+    cache[4096] = (512, b, 1)                           # replaced: the new object's handle
+    assert cache._find_int_ptr(4096, 512) == 0xB000 and b.reads == 1
+    cache.pop(4096)
+    assert cache._find_int_ptr(4096, 512) == 0
+    cache[4096] = (512, Sub(), 1)                       # an object without int_ptr
+    with pytest.raises(AttributeError):
+        cache._find_int_ptr(4096, 512)
+
+
 def test_dropped_objects_are_freed_and_not_found():
     """The index holds no reference: an object the mapping drops dies, and is not found."""
     cache = NativeCache()

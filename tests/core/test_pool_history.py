@@ -81,6 +81,17 @@ def test_out_of_memory_error_carries_the_recent_history():
     mm.close()
 
 
+def _wait_for_the_history_clock_past(t_ns: int) -> None:
+    """Until the next event records a time after `t_ns`: the ticker's reading is past it, or no
+    ticker runs (events read the clock then). A fixed sleep was not enough on a loaded machine,
+    where the ticker thread can wait for a CPU longer than any sleep chosen here."""
+    from gpumem._core.pool import CachingPool
+    deadline = time.monotonic() + 30
+    while 0 < CachingPool.history_clock_ns() <= t_ns:
+        assert time.monotonic() < deadline, "the history clock did not tick in 30 s"
+        time.sleep(0.001)
+
+
 def test_oom_history_is_built_on_first_access_and_stops_at_the_error(monkeypatch):
     """A program that catches OutOfMemoryError and retries pays no history copy per error (the
     soak at near-100 % pressure slowed ~10x when every error built it); read later, the
@@ -95,7 +106,7 @@ def test_oom_history_is_built_on_first_access_and_stops_at_the_error(monkeypatch
         with pytest.raises(OutOfMemoryError):
             mm.malloc(8 * MiB)
     assert built == []
-    time.sleep(0.05)                              # past the history clock's tick (~1 ms)
+    _wait_for_the_history_clock_past(time.monotonic_ns())
     held.pop().free()
     held.append(mm.malloc(3 * MiB))               # after the error: not in its history
     tr = err.history

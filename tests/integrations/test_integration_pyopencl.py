@@ -135,6 +135,30 @@ def test_thousands_of_arrays_leave_exact_counters(mm, gm_cl):
     check(mm)
 
 
+def test_each_allocation_is_its_own_buffer_on_the_cached_sub_buffer(mm, gm_cl):
+    """The allocator (a Cython call, issue 21) hands each allocation a new pyopencl.Buffer on
+    the block's cached sub-buffer (same cl_mem, not the shared object), carrying the gpumem
+    buffer; dropping it, not the sub-buffer, returns the block, and the next allocation of the
+    size reuses the block with a new Buffer. Level: real (PoCL)."""
+    import pyopencl as cl
+    alloc = gm_cl.allocator(mm)
+    first = alloc(4096)
+    gbuf = first._gpumem_buffer
+    assert isinstance(first, cl.Buffer) and first is not gbuf.native
+    assert first.int_ptr == gbuf.native.int_ptr and first.size == 4096
+    block, ident = gbuf.ptr, gbuf.id
+    assert mm.stats().in_use_bytes == 4096
+    del first, gbuf
+    assert mm.stats().in_use_bytes == 0                 # prompt: no gc pass needed
+    second = alloc(4096)
+    assert second._gpumem_buffer.ptr == block and second._gpumem_buffer.id != ident
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises((InvalidInputError, TypeError)):
+            alloc(bad)
+    assert mm.stats().in_use_bytes == 4096
+    check(mm)
+
+
 def test_array_dropped_after_the_manager_closed(gm_cl):
     _require_opencl()
     import pyopencl.array as cla

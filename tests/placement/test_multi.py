@@ -196,6 +196,26 @@ def test_bad_sizes_change_nothing(sims):
         assert where(multi.allocate_on_best_device(MiB)) == "sim:0"   # the turn did not move
 
 
+def test_most_free_fast_path_checks_sizes_like_malloc(sims):
+    """The default policy's C fast path (issue 21) reads the size in C; whatever it cannot take
+    (negatives, bools, floats, sizes past 2**62 or past a C long long) gets malloc's errors and
+    changes nothing: no block, no pin. Level: real (sim)."""
+    with MultiDeviceManager(DEVICES, CFG) as multi:
+        before = [m.pool.counters()["num_allocs"] for m in multi.managers]
+        for bad, error in ((-1, InvalidInputError), (True, TypeError), (1.5, TypeError),
+                           (1 << 62, OutOfMemoryError), (1 << 70, OutOfMemoryError),
+                           (-(1 << 70), InvalidInputError)):
+            with pytest.raises(error):
+                multi.allocate_on_best_device(bad)
+        assert [m.pool.counters()["num_allocs"] for m in multi.managers] == before
+        assert sum(m.stats().active_buffers for m in multi.managers) == 0
+        buf = multi.allocate_on_best_device(MiB, tag="t")     # the fast path keeps the tag
+        assert where(buf) == "sim:1" and buf.tag == "t" and buf.nbytes == MiB
+        multi.free(buf)
+        with pytest.raises(ForeignBufferError):
+            multi.free(MemoryManager("sim:0", CFG).malloc(MiB))
+
+
 def test_concurrent_first_use_of_a_name_pins_one_device(sims):
     with MultiDeviceManager(DEVICES, CFG, policy="round_robin") as multi:
         bufs = []
