@@ -4,13 +4,17 @@ The CUDA fast path (gpumem/backends/_cuda_native.pyx, cuda.bindings.cydriver cal
 GIL) is built only where cuda.h and cuda-python's .pxd files are both found at build time;
 GPUMEM_BUILD_CUDA=0 skips it, =1 makes its absence an error. Without it the CUDA backend uses
 the Python-level cuda.bindings.driver, with the same behaviour.
+
+The .pyx files are cythonized when the extensions are built (build_ext), not whenever this file
+runs: an sdist lists the .pyx sources themselves (MANIFEST.in says what else ships) and making
+one runs no Cython. The generated C++ is not shipped: Cython is a build requirement anyway.
 """
 import importlib.util
 import os
 from pathlib import Path
 
-from Cython.Build import cythonize
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
 
 extra = ["-O3", "-std=c++17"] if os.name != "nt" else ["/O2", "/std:c++17"]
 
@@ -40,6 +44,7 @@ def cuda_native_extension() -> list[Extension]:
         return []
     ext = Extension("gpumem.backends._cuda_native", ["gpumem/backends/_cuda_native.pyx"],
                     language="c++", include_dirs=[include], extra_compile_args=extra)
+    from Cython.Build import cythonize
     try:
         built = cythonize([ext], compiler_directives=DIRECTIVES, quiet=True)
     except Exception as exc:
@@ -72,8 +77,23 @@ EXTENSIONS.append(Extension(
     "gpumem.integrations._torch_alloc", ["gpumem/integrations/_torch_alloc.pyx"],
     language="c++", extra_compile_args=extra, define_macros=[("CYTHON_EXTERN_C", 'extern "C"')]))
 
+
+class CythonizingBuildExt(build_ext):
+    """build_ext that cythonizes first (and adds the CUDA fast path where it can be built)."""
+
+    def finalize_options(self) -> None:
+        from Cython.Build import cythonize
+        self.distribution.ext_modules = (
+            cythonize(EXTENSIONS, compiler_directives=DIRECTIVES, quiet=True)
+            + cuda_native_extension())
+        super().finalize_options()
+        if self.parallel is None:
+            # pip and `python -m build` give no -j: compile the modules on every core
+            self.parallel = os.cpu_count() or 1
+
+
 setup(
-    ext_modules=cythonize(EXTENSIONS, compiler_directives=DIRECTIVES, quiet=True)
-    + cuda_native_extension(),
+    ext_modules=EXTENSIONS,
+    cmdclass={"build_ext": CythonizingBuildExt},
     zip_safe=False,
 )

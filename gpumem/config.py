@@ -37,6 +37,9 @@ OTHER_VARIABLES = frozenset({
     "GPUMEM_TEST_EXPANDABLE_SEGMENTS",  # tests: 0 runs the suite with expandable segments off
     "GPUMEM_TEST_SANITIZED",    # tests: ci/sanitize.sh's run (timing bounds widened)
     "GPUMEM_FRAMEWORK_EXTRAS",  # ci/gpu.sh
+    "GPUMEM_TEST_INSTALLED",    # tests: gpumem must be an installed wheel (ci/package.sh)
+    "GPUMEM_PACKAGE_PYTHONS",   # ci/package.sh: the interpreters to build wheels for
+    "GPUMEM_PACKAGE_KEEP",      # ci/package.sh: keep its work folder
 })
 
 #: the largest byte count (and count) a setting may hold: 4 EiB, far past any device, and small

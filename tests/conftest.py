@@ -43,6 +43,25 @@ def permissive_config(**changes) -> MemoryConfig:
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: takes several seconds (compiles or runs long)")
+    if os.environ.get("GPUMEM_TEST_INSTALLED") == "1":
+        require_installed_gpumem()
+
+
+def require_installed_gpumem() -> None:
+    """GPUMEM_TEST_INSTALLED=1 (ci/package.sh): the gpumem under test must be the one installed
+    in this interpreter's site-packages (from a wheel), not a checkout found on sys.path, or the
+    run would prove nothing about the package; stop the session before any test otherwise."""
+    import sysconfig
+    from pathlib import Path
+
+    import gpumem._core.pool
+    site = {Path(sysconfig.get_paths()[key]).resolve() for key in ("purelib", "platlib")}
+    for module in (gpumem_sim, gpumem._core.pool, sys.modules["gpumem"]):
+        where = Path(module.__file__).resolve()
+        if not any(where.is_relative_to(s) for s in site):
+            raise pytest.UsageError(
+                f"GPUMEM_TEST_INSTALLED=1 but {module.__name__} comes from {where}, not from "
+                f"site-packages ({', '.join(map(str, sorted(site)))})")
 
 
 class SimFactory:

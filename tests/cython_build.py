@@ -40,7 +40,8 @@ SETUP = textwrap.dedent("""
 
 def build_extension(directory: Path, pyx: str, name: str = "gm_downstream") -> ModuleType:
     """Compile ``pyx`` as module ``name`` in ``directory`` (C++17; cimports resolve against
-    this checkout's gpumem) and import it; skips on Windows, fails with the compiler's output."""
+    the .pxd files of the gpumem under test: the checkout's, or an installed wheel's) and
+    import it; skips on Windows, fails with the compiler's output."""
     if os.name == "nt":
         pytest.skip("the test build uses a Unix C++ compiler flag")
     (directory / f"{name}.pyx").write_text(pyx)

@@ -24,6 +24,9 @@ It also holds the plain helpers test modules share (fixtures live in conftest.py
   skipping an unavailable backend with its reason.
 - ``sim_manager(capacity, ...)``: a MemoryManager on a fresh SimDevice, with a base config
   (``EXACT``: usable memory is the capacity; ``QUIET``: the same, no automatic responses).
+- ``DATA``: gpumem's data folder (presets, shipped traces) where gpumem was imported from;
+  ``require_checkout(what)``: the source checkout, or a skip when this copy of tests/ runs
+  outside one (ci/package.sh runs it against an installed wheel).
 - ``run_threads(work, args)``: ``work(a)`` for each ``a`` on its own thread, all at once; the
   exceptions they raised (the test asserts there are none).
 """
@@ -31,15 +34,18 @@ from __future__ import annotations
 
 import os
 import threading
+from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import pytest
 
+import gpumem
 import gpumem_sim
 from gpumem import FallbackBuffer, MemoryConfig, MemoryManager
 from gpumem.backends import BACKEND_NAMES, canonical_device, get_backend
 
-__all__ = ["check", "live_ranges", "stats_without", "snapshot_state", "TEST_EXPANDABLE",
+__all__ = ["DATA", "CHECKOUT", "require_checkout", "check", "live_ranges", "stats_without",
+           "snapshot_state", "TEST_EXPANDABLE",
            "ALL_BACKENDS", "selected_backends", "require_backend", "device_string",
            "backend_device", "EXACT", "QUIET", "sim_manager", "run_threads"]
 
@@ -47,6 +53,21 @@ __all__ = ["check", "live_ranges", "stats_without", "snapshot_state", "TEST_EXPA
 #: backend tests by itself)
 ALL_BACKENDS = ("sim", "cpu", "opencl", "cuda")
 ALL_BACKENDS += tuple(n for n in BACKEND_NAMES if n not in ALL_BACKENDS)
+
+#: gpumem's data (model presets, the shipped traces) from the gpumem under test: the checkout's,
+#: or an installed wheel's
+DATA = Path(gpumem.__file__).resolve().parent / "data"
+#: the folder that holds tests/: the source checkout, or a copy of tests/ outside any
+CHECKOUT = Path(__file__).resolve().parents[1]
+
+
+def require_checkout(what: str) -> Path:
+    """The source checkout; skip the test (it reads ``what``: docs, README, LICENSE,
+    pyproject.toml, which no wheel installs) where this copy of tests/ runs outside one."""
+    if not (CHECKOUT / "pyproject.toml").is_file() or not (CHECKOUT / "gpumem").is_dir():
+        pytest.skip(f"reads {what} of the source checkout; these tests run outside one "
+                    f"(against an installed gpumem)")
+    return CHECKOUT
 
 
 def selected_backends(default: Iterable[str] = ALL_BACKENDS, *,

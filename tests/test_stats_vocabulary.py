@@ -23,9 +23,10 @@ from gpumem.observe.snapshot import summarize, take_snapshot
 from gpumem.observe.summary import summary_data
 from gpumem.observe.trace import write_trace
 from gpumem.stats import VOCABULARY, StatsDict, deprecated_names
+from invariants import require_checkout
 
 MiB = 1 << 20
-DOCS = Path(__file__).resolve().parents[1] / "docs" / "statistics.md"
+DOCS = Path("docs") / "statistics.md"
 
 
 @pytest.fixture
@@ -200,7 +201,7 @@ def test_stats_dict_is_still_a_plain_dict_otherwise(used):
 def test_the_docs_table_lists_every_name_and_every_old_name():
     """docs/statistics.md has a row for each of the nine names, with a torch key, and mentions
     every old name some output still reads (so the table cannot fall behind the code)."""
-    text = DOCS.read_text(encoding="utf-8")
+    text = (require_checkout("docs/statistics.md") / DOCS).read_text(encoding="utf-8")
     rows = {m.group(1): m.group(0) for m in re.finditer(r"^\| `(\w+)` \|.*$", text, re.M)}
     for name in VOCABULARY:
         assert name in rows, name

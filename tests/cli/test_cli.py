@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 
 from gpumem.cli import DEMO_TRACE, main
+from invariants import DATA
 
 REPO = Path(__file__).resolve().parents[2]
-#: the four real PyTorch traces shipped in the repository (see its README.md)
-SHARED = REPO / "gpumem" / "data" / "traces"
+#: the four real PyTorch traces shipped with gpumem (gpumem/data/traces; see their README.md)
+SHARED = DATA / "traces"
 needs_mpl = pytest.mark.skipif(
     __import__("importlib").util.find_spec("matplotlib") is None,
     reason="matplotlib is not installed")

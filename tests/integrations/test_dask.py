@@ -384,7 +384,8 @@ def test_docs_example_runs(tmp_path):
     import os
     import re
     import subprocess
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from invariants import require_checkout
+    root = str(require_checkout("docs/dask.md"))
     with open(os.path.join(root, "docs", "dask.md")) as f:
         code = re.search(r"```python\n(.*?)```", f.read(), re.S).group(1)
     script = tmp_path / "example.py"

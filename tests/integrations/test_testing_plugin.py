@@ -255,7 +255,8 @@ def test_docs_example(suite):
     GPUs; dropping one sequence fewer makes its leak check fail it, as the page says."""
     import os
     import re
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from invariants import require_checkout
+    root = str(require_checkout("docs/testing.md"))
     with open(os.path.join(root, "docs", "testing.md")) as f:
         code = re.search(r"```python\n(.*?)```", f.read(), re.S).group(1)
     suite(code, "--gpumem-devices", "sim:16GiB,sim:8GiB").assert_outcomes(passed=3)

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import gc
 import logging
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,13 +14,12 @@ from gpumem.observe.history import HistoryRecorder
 from gpumem.manager.memory_manager import MemoryManager
 from gpumem.observe.replay import ReplayResult, open_replay_device, replay, replay_config
 from gpumem.observe.trace import OP_ALLOC, read_trace
-from invariants import sim_manager
+from invariants import DATA, sim_manager
 
 MiB = 1 << 20
-REPO = Path(__file__).resolve().parents[2]
-#: the four real PyTorch traces shipped in the repository (see its README.md)
-SHARED = REPO / "gpumem" / "data" / "traces"
-DEMO = REPO / "gpumem" / "data" / "resnet50_train_step1.csv.gz"
+#: the four real PyTorch traces shipped with gpumem (see their README.md)
+SHARED = DATA / "traces"
+DEMO = DATA / "resnet50_train_step1.csv.gz"
 
 
 def _mm(capacity="2GiB", **cfg) -> MemoryManager:

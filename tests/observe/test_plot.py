@@ -16,9 +16,10 @@ from gpumem.errors import GpuMemoryError, InvalidInputError
 from gpumem.manager.memory_manager import MemoryManager
 from gpumem.observe.replay import replay
 from gpumem.observe.trace import read_trace
+from invariants import DATA
 
 REPO = Path(__file__).resolve().parents[2]
-DEMO = REPO / "gpumem" / "data" / "resnet50_train_step1.csv.gz"
+DEMO = DATA / "resnet50_train_step1.csv.gz"
 PNG = b"\x89PNG\r\n\x1a\n"
 
 needs_mpl = pytest.mark.skipif(

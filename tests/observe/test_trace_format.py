@@ -15,11 +15,11 @@ from hypothesis import strategies as st
 from gpumem.errors import InvalidInputError, TraceFormatError
 from gpumem.observe.trace import (OP_ALLOC, OP_FREE, Phase, TraceData, load_phases, read_trace,
                           write_trace)
+from invariants import DATA
 
-REPO = Path(__file__).resolve().parents[2]
-#: the four real PyTorch traces shipped in the repository (see its README.md)
-SHARED = REPO / "gpumem" / "data" / "traces"
-DEMO = REPO / "gpumem" / "data" / "resnet50_train_step1.csv.gz"
+#: the four real PyTorch traces shipped with gpumem (gpumem/data/traces; see their README.md)
+SHARED = DATA / "traces"
+DEMO = DATA / "resnet50_train_step1.csv.gz"
 
 
 def _write(tmp_path: Path, text: str, name: str = "t.csv", gz: bool = False) -> Path:
