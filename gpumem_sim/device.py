@@ -46,6 +46,7 @@ from gpumem_sim._common import (_MMAP_KW, _UNSET, SimCall, _bytes_view, _fail_af
                                 _reserve_window, _size_arg)
 from gpumem_sim._ranges import RangeAllocator
 from gpumem_sim.driver_costs import ModeledDriverTime, make_meter
+from gpumem_sim.streams import SimStreams
 from gpumem_sim.vmm import DEFAULT_VM_GRANULARITY, VA_WINDOW_FACTOR, VirtualMemory
 
 __all__ = [
@@ -89,7 +90,7 @@ class _Segment:
         self.store = store
 
 
-class SimDevice(VirtualMemory, ModeledDriverTime, Device):
+class SimDevice(SimStreams, VirtualMemory, ModeledDriverTime, Device):
     """A simulated GPU with ``capacity`` bytes (an int or a string such as ``"16GiB"``).
 
     - Segments are ranges of a private address window starting at :attr:`base_address`; each
@@ -103,7 +104,8 @@ class SimDevice(VirtualMemory, ModeledDriverTime, Device):
       work and tests can detect overlap; otherwise those calls raise ``InvalidInputError``.
     - Streams are ints (0 is the default stream). Work is simulated: :meth:`submit` queues work
       items on a stream, :meth:`complete` finishes them, :meth:`stream_idle` reports whether any
-      remain. Copies are synchronous and never advance these queues: tests drive them.
+      remain (:mod:`gpumem_sim.streams`). Copies are synchronous and never advance these
+      queues: tests drive them.
     - Fault injection: see the module docstring (``fail_after``, ``fail_rate`` with ``seed``,
       ``fail_free``, ``fail_kind``).
     - Counters (``alloc_calls``, ``free_calls``, ``failed_allocs``, ``injected_failures``,
@@ -176,12 +178,7 @@ class SimDevice(VirtualMemory, ModeledDriverTime, Device):
         self._fail_free_left: float = _fail_free_arg(fail_free)
         self._fail_kind = _fail_kind_arg(fail_kind)
 
-        # streams: submitted and completed work-item counts; 0 is the default stream
-        self._submitted: dict[int, int] = {0: 0}
-        self._completed: dict[int, int] = {0: 0}
-        self._next_stream = 1
-        self._events: dict[int, tuple[int, int]] = {}
-        self._next_event = 1
+        self._streams_init()
 
         self._calls: deque[SimCall] = deque(maxlen=CALL_LOG_LIMIT)
         self._meter = meter
@@ -500,117 +497,6 @@ class SimDevice(VirtualMemory, ModeledDriverTime, Device):
                 store[pos:pos + step] = pattern[:step]
                 pos += step
 
-    # --- Device protocol: streams ----------------------------------------------------------
-    def create_stream(self) -> int:
-        """A new stream; handles are 1, 2, 3... and never reused on this device."""
-        with self._lock:
-            s = self._next_stream
-            self._next_stream += 1
-            self._submitted[s] = 0
-            self._completed[s] = 0
-            return s
-
-    def destroy_stream(self, stream: int) -> None:
-        """Forget a stream; its pending work counts as finished (as a driver drains it). The
-        default stream 0 cannot be destroyed."""
-        with self._lock:
-            s = self._stream(stream)
-            if s == 0:
-                raise InvalidInputError("the default stream 0 cannot be destroyed")
-            del self._submitted[s]
-            del self._completed[s]
-        self._stream_destroyed(s)
-
-    def stream_idle(self, stream: int) -> bool:
-        with self._lock:
-            s = self._stream(stream)
-            self.stream_query_calls += 1
-            if self._meter is not None:
-                self._meter.charge("stream_query")
-            return self._completed[s] == self._submitted[s]
-
-    def synchronize(self) -> None:
-        """Finish all work on every stream (logged as a ``"synchronize"`` call)."""
-        with self._lock:
-            for s in self._submitted:
-                self._completed[s] = self._submitted[s]
-            self.synchronize_calls += 1
-            self._record(SimCall("synchronize", 0, None, "ok"))
-
-    # --- simulated work (tests drive it) -----------------------------------------------------
-    def submit(self, stream: int, n: int = 1) -> int:
-        """Queue ``n`` work items on ``stream`` (as launching kernels would); returns the number
-        of items submitted to it so far."""
-        k = _int_arg(n, "n", minimum=1)
-        with self._lock:
-            s = self._stream(stream)
-            self._submitted[s] += k
-            return self._submitted[s]
-
-    def pending(self, stream: int) -> int:
-        """Work items submitted to ``stream`` and not yet completed."""
-        with self._lock:
-            s = self._stream(stream)
-            return self._submitted[s] - self._completed[s]
-
-    def complete(self, stream: int | None = None, n: int | None = None) -> int:
-        """Finish the oldest ``n`` pending items of ``stream`` (all of them when ``n`` is None),
-        or all pending work on every stream when ``stream`` is None. Returns how many items
-        finished. Asking for more items than are pending is an error."""
-        with self._lock:
-            if stream is None:
-                if n is not None:
-                    raise InvalidInputError("complete(): n needs a stream")
-                done = 0
-                for s in self._submitted:
-                    done += self._submitted[s] - self._completed[s]
-                    self._completed[s] = self._submitted[s]
-                return done
-            s = self._stream(stream)
-            left = self._submitted[s] - self._completed[s]
-            k = left if n is None else _int_arg(n, "n")
-            if k > left:
-                raise InvalidInputError(
-                    f"complete(): stream {s} has {left} pending work item(s), asked for {k}")
-            self._completed[s] += k
-            return k
-
-    def record_event(self, stream: int = 0) -> int:
-        """An event that is done once the work submitted to ``stream`` so far has finished."""
-        with self._lock:
-            s = self._stream(stream)
-            e = self._next_event
-            self._next_event += 1
-            self._events[e] = (s, self._submitted[s])
-            if self._meter is not None:
-                self._meter.charge("event_record")
-            return e
-
-    def event_done(self, event: int) -> bool:
-        """True when the work before the event has finished (or its stream was destroyed)."""
-        with self._lock:
-            try:
-                s, ticket = self._events[event]
-            except (KeyError, TypeError):
-                raise InvalidInputError(f"unknown event {event!r} on {self.device_string}") from None
-            if self._meter is not None:
-                self._meter.charge("event_query")
-            if s not in self._completed:
-                return True
-            return self._completed[s] >= ticket
-
-    def destroy_event(self, event: int) -> None:
-        """Forget an event from :meth:`record_event` (done or not)."""
-        with self._lock:
-            if isinstance(event, bool) or self._events.pop(event, None) is None:
-                raise InvalidInputError(f"unknown event {event!r} on {self.device_string}")
-
-    @property
-    def live_events(self) -> int:
-        """Events recorded and not yet destroyed (tests check that none leak)."""
-        with self._lock:
-            return len(self._events)
-
     def close(self) -> None:
         """Nothing to release: segments stay allocated until freed (idempotent)."""
 
@@ -633,13 +519,6 @@ class SimDevice(VirtualMemory, ModeledDriverTime, Device):
         self._calls.append(call)
         if self._meter is not None:
             self._meter.charge(call.op, call.nbytes, call.outcome == "ok")
-
-    def _stream(self, stream: Any) -> int:
-        if isinstance(stream, bool) or not isinstance(stream, int) or stream not in self._submitted:
-            known = ", ".join(str(s) for s in self._submitted)
-            raise InvalidInputError(
-                f"unknown stream {stream!r} on {self.device_string}; streams: {known}")
-        return stream
 
     def _segment(self, handle: Any) -> _Segment:
         seg = self._segments.get(handle) if isinstance(handle, int) else None
