@@ -275,6 +275,41 @@ def test_a_hit_that_takes_the_free_tail_mid_growth_does_not_fail_the_request(mon
     assert _leaks(dev) == (0, 0, 0)
 
 
+def test_a_free_of_the_last_block_mid_growth_keeps_the_pool_and_the_device_in_step(monkeypatch):
+    """The race behind a stress-test failure ("no mapping starts at ..." on empty_cache): a
+    growth plans to map at the segment's end (its last block live), and meanwhile another
+    thread frees that last block. Stitching must not take pages from the new free tail:
+    carving them would cut the segment's end back, and the pool would then record the new
+    pages below where the device mapped them."""
+    dev, mm = sim_manager("1GiB", expandable_segments=True)
+    a = mm.malloc(4 * MiB)
+    b = mm.malloc(4 * MiB)                       # the last block, live
+    exp = mm._expandable
+    real_plan = exp._plan
+    freed = []
+
+    def plan_then_the_last_block_is_freed(*args):
+        plan = real_plan(*args)
+        if not freed:
+            t = threading.Thread(target=lambda: (b.free(), freed.append(1)))
+            t.start()
+            t.join(10)
+            assert freed
+        return plan
+
+    monkeypatch.setattr(exp, "_plan", plan_then_the_last_block_is_freed)
+    c = mm.malloc(8 * MiB)                       # planned at the end, offset 8 MiB
+    monkeypatch.undo()
+    assert mm.pool.reserved_bytes == dev.mapped_bytes
+    check(mm, [a, c])
+    mm.empty_cache()
+    check(mm, [a, c])
+    for buf in (a, c):
+        buf.free()
+    mm.close()
+    assert _leaks(dev) == (0, 0, 0)
+
+
 def _segment_cached_for_a_busy_stream(dev, mm, n: int) -> int:
     """Stream 0's expandable segment, wholly free, its one block lent to a second stream
     that is then busy (so it stays that stream's): the state the state machine reached."""
