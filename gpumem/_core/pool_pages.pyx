@@ -332,7 +332,10 @@ cdef tuple plan_fill(gm_pool* p, uint64_t handle, uint64_t stream, size_t nbytes
             at_end = True
             best = m
             at = seg.size
-            klo = seg.size - tail
+            # keep the whole last block (its free part is the tail the fill joins): even a
+            # live one, which a free on another thread may turn into a free tail before the
+            # caller stitches; carving it would cut the segment's end back below `at`
+            klo = last.offset
             khi = SIZE_MAX
     _unlock(p)
     if best == SIZE_MAX:

@@ -141,12 +141,6 @@ class ExpandableSegments:
             if plan is None:                        # no segment, or every reservation used up
                 return self._grow_new(nbytes, stream, tag)
             seg, offset, size, keep, at_end = plan
-            if at_end:
-                # stitching must take no page from the segment's last block, whatever it is by
-                # then (a free on another thread may make it a free tail after the plan): a
-                # carved last block cuts the segment's end back, and the pool would record the
-                # pages mapped at `offset` below where the device maps them
-                keep = (max(0, min(keep[0], offset - 1)), seg.reserved)
             if size and not self._map_range(seg, offset, size, keep, stream):
                 return None
             if at_end and size:
