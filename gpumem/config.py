@@ -88,6 +88,11 @@ class MemoryConfig:
                                             # place by mapping pages where the device has
                                             # virtual memory (cuda, sim); elsewhere (OpenCL,
                                             # host) plain segments whatever this says
+    expandable_handle_size: int = 0         # largest physical handle an expandable segment
+                                            # creates (whole pages); 0: one page. Larger
+                                            # handles: fewer driver calls, but a handle moves
+                                            # and goes back only when wholly free
+                                            # (docs/expandable_segments.md, "Handle size")
     # pressure: fractions of usable memory where MEDIUM, HIGH, CRITICAL begin
     pressure_thresholds: tuple[float, float, float] = (0.60, 0.80, 0.95)
     auto_release_at_high: bool = True       # at HIGH, trim the cache to high_cache_fraction
@@ -107,7 +112,7 @@ class MemoryConfig:
                 raise InvalidInputError(f"{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("min_free_bytes", "granularity", "small_size", "small_segment",
                      "large_segment", "large_threshold", "large_round", "large_split_min",
-                     "oversize_slack", "max_pooled_per_bucket"):
+                     "oversize_slack", "max_pooled_per_bucket", "expandable_handle_size"):
             self._check_int(name, getattr(self, name))
         for name in ("reserve_bytes", "max_split_size", "max_pool_size"):
             if getattr(self, name) is not None:

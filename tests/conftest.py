@@ -43,6 +43,8 @@ def permissive_config(**changes) -> MemoryConfig:
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: takes several seconds (compiles or runs long)")
+    config.addinivalue_line("markers", "handle_size(n): MemoryConfig(expandable_handle_size=n) "
+                            "for the vm fixture (tests/vm_managers.py)")
     if os.environ.get("GPUMEM_TEST_INSTALLED") == "1":
         require_installed_gpumem()
 

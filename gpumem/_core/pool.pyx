@@ -248,6 +248,34 @@ cdef int gm_free_gil(gm_pool* p, gm_block* b, uint64_t serial) noexcept:
 
 
 @cython.final
+@cython.final
+cdef class _Bounds:
+    """An ascending list of mapping boundaries copied into a C array (NULL for None) before
+    the pool's lock is taken: nothing Python is touched while it is held."""
+    cdef size_t* data
+    cdef size_t n
+
+    def __cinit__(self, bounds):
+        cdef size_t i = 0, prev = 0
+        self.data = NULL
+        self.n = 0
+        if bounds is None:
+            return
+        self.n = len(bounds)
+        self.data = <size_t*>calloc(self.n + 1, sizeof(size_t))
+        if self.data == NULL:
+            raise MemoryError("cannot copy the mapping boundaries")
+        for x in bounds:
+            self.data[i] = x
+            if i and self.data[i] <= prev:
+                raise ValueError(f"bounds must ascend strictly, got {x} after {prev}")
+            prev = self.data[i]
+            i += 1
+
+    def __dealloc__(self):
+        free(self.data)
+
+
 cdef class CachingPool:
     """Segments and blocks of one device, without the device: the manager feeds it segments.
 
@@ -451,18 +479,22 @@ cdef class CachingPool:
 
     def carve_free_pages(self, uint64_t handle, size_t page, size_t max_bytes=SIZE_MAX, *,
                          stream=None, keep=(0, 0), size_t min_offset=0,
-                         double ratio=-1) -> list:
-        """Mark up to ``max_bytes`` of whole pages inside free blocks of segment ``handle``
+                         double ratio=-1, bounds=None, bint overshoot=False) -> list:
+        """Mark up to ``max_bytes`` of whole mappings inside free blocks of segment ``handle``
         unmapped (only blocks cached for ``stream`` if given, else any stream's: the caller
         synchronized the device); not from blocks overlapping ``keep`` = (lo, hi), nor below
-        ``min_offset``; ``ratio`` (-1: any block) limits which blocks give pages (see
-        pool_pages.carve_free_pages). Returns
+        ``min_offset``; ``ratio`` (-1: any block) limits which blocks give pages; ``bounds``:
+        the ascending offsets where the segment's mappings (physical handles, mapped and
+        unmapped whole) start and end, None when each page is one; ``overshoot``: the last
+        mapping may pass ``max_bytes`` (see pool_pages.carve_free_pages). Returns
         ``[(offset, size), ...]``: the caller unmaps them (or fills them back with
         :meth:`fill_unmapped`)."""
         cdef size_t lo = keep[0], hi = keep[1]
-        return pool_pages.carve_free_pages(self._p, handle, page, max_bytes, stream is None,
+        cdef _Bounds bd = _Bounds(bounds)
+        return pool_pages.carve_free_pages(self._p, handle, page, bd.data, bd.n, max_bytes,
+                                           stream is None,
                                            0 if stream is None else <uint64_t>stream, lo, hi,
-                                           min_offset, ratio)
+                                           min_offset, ratio, overshoot)
 
     def fill_unmapped(self, uint64_t handle, size_t offset, size_t size,
                       uint64_t stream) -> bool:
@@ -492,9 +524,11 @@ cdef class CachingPool:
         _unlock(p)
         return done
 
-    def free_page_bytes(self, uint64_t handle, size_t page) -> int:
-        """Bytes of whole pages inside segment ``handle``'s free blocks (a trim's worth)."""
-        return pool_pages.free_page_bytes(self._p, handle, page)
+    def free_page_bytes(self, uint64_t handle, size_t page, bounds=None) -> int:
+        """Bytes of whole mappings (``bounds`` as in :meth:`carve_free_pages`) inside segment
+        ``handle``'s free blocks (a trim's worth)."""
+        cdef _Bounds bd = _Bounds(bounds)
+        return pool_pages.free_page_bytes(self._p, handle, page, bd.data, bd.n)
 
     def release_free_segments(self, size_t max_bytes=SIZE_MAX, int small=-1) -> list:
         """Detach wholly free segments, largest first, until max_bytes have been released;

@@ -117,24 +117,60 @@ cdef void _drop_unmapped_tail(gm_pool* p, gm_segment* seg) noexcept nogil:
     _drop_block(p, last)
 
 
-cdef list carve_free_pages(gm_pool* p, uint64_t handle, size_t page, size_t max_bytes,
-                           int any_stream, uint64_t stream, size_t keep_lo, size_t keep_hi,
-                           size_t min_offset, double ratio):
-    """Turn up to ``max_bytes`` of whole pages inside free blocks of segment ``handle`` into
+cdef inline size_t _unit_at_or_above(const size_t* bd, size_t nb, size_t page,
+                                     size_t x) noexcept nogil:
+    """The smallest mapping boundary >= x (SIZE_MAX if none); every page when bd is NULL."""
+    cdef size_t lo = 0, hi = nb, mid
+    if bd == NULL:
+        return _round_up(x, page)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if bd[mid] < x:
+            lo = mid + 1
+        else:
+            hi = mid
+    return bd[lo] if lo < nb else SIZE_MAX
+
+
+cdef inline size_t _unit_at_or_below(const size_t* bd, size_t nb, size_t page,
+                                     size_t x) noexcept nogil:
+    """The largest mapping boundary <= x (SIZE_MAX if none); every page when bd is NULL."""
+    cdef size_t lo = 0, hi = nb, mid
+    if bd == NULL:
+        return x // page * page
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if bd[mid] <= x:
+            lo = mid + 1
+        else:
+            hi = mid
+    return bd[lo - 1] if lo > 0 else SIZE_MAX
+
+
+cdef list carve_free_pages(gm_pool* p, uint64_t handle, size_t page, const size_t* bd,
+                           size_t nb, size_t max_bytes, int any_stream, uint64_t stream,
+                           size_t keep_lo, size_t keep_hi, size_t min_offset, double ratio,
+                           bint overshoot):
+    """Turn up to ``max_bytes`` of whole mappings inside free blocks of segment ``handle`` into
     unmapped blocks: blocks of any heap (any_stream, after the device was synchronized) or of
     ``stream``'s large heap only; not from a block that overlaps [keep_lo, keep_hi) (the
-    neighbours a planned fill needs) nor below ``min_offset``. A trim (ratio -1)
-    takes the highest pages first, a stitch the lowest. A block gives its pages from
-    its page-aligned end (its highest pages when both or neither end is aligned). ``ratio``:
-    -1 every block gives its pages (a trim); 0 only blocks with an aligned end (taking
-    their pages splits no free block); k > 0 those too, and a block whose whole pages are
-    at least k times the free bytes that would stay behind stranded around them. Returns ``[(offset, size), ...]`` of the ranges now unmapped, which the
-    caller unmaps at the driver (or fills back)."""
+    neighbours a planned fill needs) nor below ``min_offset``. A mapping is one physical
+    handle, which the driver maps and unmaps whole: ``bd[0:nb]`` (ascending) are the offsets
+    where mappings start and end (NULL: every page is its own mapping). With ``overshoot`` the
+    last mapping taken may pass ``max_bytes`` (a trim that must return at least that much, a
+    growth at a segment's end that can use the surplus); without it the mappings taken fit.
+    A trim (ratio -1) takes the highest mappings first, a stitch the lowest. A block gives its
+    mappings from its aligned end (its highest when both or neither end is aligned).
+    ``ratio``: -1 every block gives its mappings (a trim); 0 only blocks with an aligned end
+    (taking their mappings splits no free block); k > 0 those too, and a block whose whole
+    mappings are at least k times the free bytes that would stay behind stranded around them.
+    Returns ``[(offset, size), ...]`` of the ranges now unmapped (each a run of whole
+    mappings), which the caller unmaps at the driver (or fills back)."""
     cdef gm_segment* seg
     cdef gm_block* b
     cdef gm_block* nxt
     cdef size_t* out = NULL
-    cdef size_t n = 0, nblocks = 0, taken = 0, lo, top, take, start, i
+    cdef size_t n = 0, nblocks = 0, taken = 0, lo, top, take, start, i, r, cut, whole
     cdef bint low_end, from_top
     cdef int k, want = -1
     _lock_gil(p)
@@ -158,20 +194,28 @@ cdef list carve_free_pages(gm_pool* p, uint64_t handle, size_t page, size_t max_
             nxt = b.prev if from_top else b.next
             if (b.heap_index >= 0 and (want < 0 or b.heap_index == want)
                     and not (b.offset < keep_hi and b.offset + b.size > keep_lo)):
-                lo = _round_up(b.offset if b.offset > min_offset else min_offset, page)
-                top = (b.offset + b.size) // page * page
-                low_end = not (b.offset + b.size) % page == 0 and lo == b.offset
-                whole = top - lo if top > lo else 0
-                # an aligned end gives pages without splitting the block; otherwise the pages
-                # taken must be worth `ratio` times the free bytes they leave stranded
+                lo = _unit_at_or_above(bd, nb, page, b.offset if b.offset > min_offset
+                                       else min_offset)
+                top = _unit_at_or_below(bd, nb, page, b.offset + b.size)
+                whole = top - lo if top != SIZE_MAX and lo != SIZE_MAX and top > lo else 0
+                low_end = not top == b.offset + b.size and lo == b.offset
+                # an aligned end gives mappings without splitting the block; otherwise they
+                # must be worth `ratio` times the free bytes they leave stranded
                 if whole and (ratio < 0 or top == b.offset + b.size or low_end
                               or (ratio > 0 and <double>whole >= ratio * <double>(b.size - whole))):
-                    take = top - lo
-                    if take > (max_bytes - taken) // page * page:
-                        take = (max_bytes - taken) // page * page
+                    r = max_bytes - taken
+                    if r >= whole:
+                        start, take = lo, whole
+                    elif low_end:         # from the low end: [lo, cut)
+                        cut = (_unit_at_or_above(bd, nb, page, lo + r) if overshoot
+                               else _unit_at_or_below(bd, nb, page, lo + r))
+                        start, take = lo, cut - lo
+                    else:                 # from the top: [cut, top)
+                        cut = (_unit_at_or_below(bd, nb, page, top - r) if overshoot
+                               else _unit_at_or_above(bd, nb, page, top - r))
+                        start, take = cut, top - cut
                     if take:
                         # from an aligned end: the free rest stays one piece
-                        start = lo if low_end else top - take
                         b = _carve_block(p, b, start, take)
                         if b == NULL:
                             break
@@ -343,9 +387,10 @@ cdef tuple plan_fill(gm_pool* p, uint64_t handle, uint64_t stream, size_t nbytes
     return (at, best, klo, khi, at_end)
 
 
-cdef size_t free_page_bytes(gm_pool* p, uint64_t handle, size_t page) except? 0:
-    """Bytes of whole pages inside the free blocks of segment ``handle`` (what a trim could
-    unmap now)."""
+cdef size_t free_page_bytes(gm_pool* p, uint64_t handle, size_t page, const size_t* bd,
+                            size_t nb) except? 0:
+    """Bytes of whole mappings (``bd`` as in carve_free_pages) inside the free blocks of
+    segment ``handle`` (what a trim could unmap now)."""
     cdef gm_segment* seg
     cdef gm_block* b
     cdef size_t total = 0, lo, top
@@ -355,9 +400,9 @@ cdef size_t free_page_bytes(gm_pool* p, uint64_t handle, size_t page) except? 0:
         b = seg.first
         while b != NULL:
             if b.heap_index >= 0:
-                lo = _round_up(b.offset, page)
-                top = (b.offset + b.size) // page * page
-                if top > lo:
+                lo = _unit_at_or_above(bd, nb, page, b.offset)
+                top = _unit_at_or_below(bd, nb, page, b.offset + b.size)
+                if top != SIZE_MAX and lo != SIZE_MAX and top > lo:
                     total += top - lo
             b = b.next
     _unlock(p)

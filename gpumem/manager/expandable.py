@@ -71,6 +71,7 @@ _MOVE_US = 25.63 + 1.45 + 35.99
 #: 2.21 with the table above. docs/expandable_segments.md shows the figures for other values.
 STITCH_RATIO = _CREATE_US / (_CREATE_US - 2 * _MOVE_US)
 
+
 #: plans tried for one miss before it is left to the OOM ladder (a concurrent hit took the
 #: free neighbours each time)
 _ATTEMPTS = 3
@@ -84,7 +85,39 @@ class _Segment:
     address: int                    # the reservation; also the pool's segment handle and base
     reserved: int                   # bytes of address space
     stream: int
-    pages: dict[int, int] = field(default_factory=dict)   # offset -> handle of a mapped page
+    maps: dict[int, tuple[int, int]] = field(default_factory=dict)  # offset -> (handle, bytes)
+    mapped: int = 0                 # bytes mapped (the sum over maps)
+    _bounds: list[int] | None = None
+
+    def add(self, offset: int, handle: int, nbytes: int) -> None:
+        self.maps[offset] = (handle, nbytes)
+        self.mapped += nbytes
+        self._bounds = None
+
+    def take(self, offset: int) -> tuple[int, int]:
+        handle, nbytes = self.maps.pop(offset)
+        self.mapped -= nbytes
+        self._bounds = None
+        return handle, nbytes
+
+    def bounds(self) -> list[int]:
+        """Where the mappings start and end, ascending: the pool moves and trims whole ones."""
+        if self._bounds is None:
+            self._bounds = sorted({o for off, (_, n) in self.maps.items() for o in (off, off + n)})
+        return self._bounds
+
+    def mappings_in(self, offset: int, size: int) -> list[tuple[int, int]]:
+        """``[(offset, bytes), ...]`` of the whole mappings that tile [offset, offset + size)."""
+        out, end = [], offset + size
+        while offset < end:
+            n = self.maps[offset][1]
+            out.append((offset, n))
+            offset += n
+        return out
+
+
+#: (segment, offset, bytes) of a mapping taken from where it was (to move or to release)
+_Taken = tuple[_Segment, int, int]
 
 
 class ExpandableSegments:
@@ -94,13 +127,15 @@ class ExpandableSegments:
         self._mm = growth                   # the manager's segment growth (its Growth calls)
         self._dev = growth.device
         self.page = self._dev.vm_granularity()
+        #: the largest physical handle made (MemoryConfig.expandable_handle_size; whole pages)
+        self.handle_size = max(growth.config.expandable_handle_size // self.page, 1) * self.page
         self._segments: dict[int, _Segment] = {}     # handle -> segment
         self._by_stream: dict[int, list[int]] = {}   # stream -> its segments' handles, oldest first
         self.driver_calls = 0                          # vm_* calls made (figures, tests)
         self.segment_events = 0                        # segments adopted or released whole
-        self.stitched_bytes = 0                        # pages moved instead of created
+        self.stitched_bytes = 0                        # mapped memory moved instead of created
         self.stitch_syncs = 0                          # synchronize() before moves or trims
-        self._held: list[int] = []                     # unmapped pages the driver would not free
+        self._held: list[tuple[int, int]] = []        # (handle, bytes) the driver would not free
 
     # --- queries ---------------------------------------------------------------------------------
     def owns(self, handle: int) -> bool:
@@ -108,12 +143,12 @@ class ExpandableSegments:
 
     def mapped_bytes(self) -> int:
         with self._mm.lock:
-            return sum(len(s.pages) for s in self._segments.values()) * self.page
+            return sum(s.mapped for s in self._segments.values())
 
     def layout(self) -> dict[int, tuple[int, int]]:
         """``{handle: (mapped bytes, reserved bytes)}`` for snapshots and the invariant check."""
         with self._mm.lock:
-            return {h: (len(s.pages) * self.page, s.reserved) for h, s in self._segments.items()}
+            return {h: (s.mapped, s.reserved) for h, s in self._segments.items()}
 
     def extents(self) -> dict[int, int]:
         """``{handle: address span in use}`` (the pool's segment size; a floor for
@@ -124,12 +159,20 @@ class ExpandableSegments:
 
     def holds_empty(self) -> bool:
         """Whether a segment has no page mapped (all holes: trim() frees its reservation)."""
-        return any(not s.pages for s in self._segments.values())
+        return any(not s.maps for s in self._segments.values())
 
     def pages(self, handle: int) -> list[int]:
         """Offsets of the mapped pages of segment ``handle`` (tests, the invariant check)."""
         with self._mm.lock:
-            return sorted(self._segments[handle].pages)
+            seg = self._segments[handle]
+            return sorted(o for off, (_, n) in seg.maps.items()
+                          for o in range(off, off + n, self.page))
+
+    def mappings(self, handle: int) -> list[tuple[int, int]]:
+        """``[(offset, bytes), ...]`` of segment ``handle``'s mappings, one per physical handle
+        (tests, snapshots)."""
+        with self._mm.lock:
+            return sorted((off, n) for off, (_, n) in self._segments[handle].maps.items())
 
     # --- growth ----------------------------------------------------------------------------------
     def grow(self, nbytes: int, stream: int, tag: Any) -> Any:
@@ -141,15 +184,16 @@ class ExpandableSegments:
             if plan is None:                        # no segment, or every reservation used up
                 return self._grow_new(nbytes, stream, tag)
             seg, offset, size, keep, at_end = plan
-            if size and not self._map_range(seg, offset, size, keep, stream):
+            mapped = self._map_range(seg, offset, size, keep, stream, at_end) if size else 0
+            if mapped is None:
                 return None
             if at_end and size:
-                buf = mm.alloc_in_grown_segment(seg.address, size, nbytes, stream, tag)
+                buf = mm.alloc_in_grown_segment(seg.address, mapped, nbytes, stream, tag)
                 if buf is None:                     # a hit took the free tail: keep the pages
-                    self._fill(seg, offset, size, stream)
+                    self._fill(seg, offset, mapped, stream)
             else:
                 if size:
-                    self._fill(seg, offset, size, stream)
+                    self._fill(seg, offset, mapped, stream)
                 buf = mm.alloc_cached(nbytes, stream, tag)
             if buf is not None:
                 return buf
@@ -170,36 +214,55 @@ class ExpandableSegments:
     def _fill(self, seg: _Segment, offset: int, size: int, stream: int) -> None:
         """The pool takes mapped [offset, offset + size) as a free block of ``stream``."""
         if not self._mm.pool.fill_unmapped(seg.address, offset, size, stream):
-            # only when host memory for a block record runs out: give the pages back
-            self._unmap_release(seg, range(offset, offset + size, self.page))
+            # only when host memory for a block record runs out: give the memory back
+            self._unmap_release(seg, seg.mappings_in(offset, size))
             raise MemoryError("the pool could not record mapped pages")
 
-    def _take_pages(self, target: _Segment, count: int, stream: int,
-                    keep: tuple[int, int]) -> list[tuple[_Segment, int]]:
-        """Up to ``count`` free whole pages of the stream's segments, marked unmapped in the pool
-        (not from the free blocks in ``keep``, which the planned fill joins)."""
-        out: list[tuple[_Segment, int]] = []
-        # first pages that split no free block, then pages worth the bytes they strand
+    def _take_mappings(self, target: _Segment, nbytes: int, stream: int, keep: tuple[int, int],
+                       room: int | None) -> list[_Taken]:
+        """Whole free mappings of the stream's segments, marked unmapped in the pool, for a
+        range of ``nbytes`` (not from the free blocks in ``keep``, which the planned fill
+        joins). ``room``: None when the mappings must fit in ``nbytes`` (a hole); else they
+        may pass it (the segment's end), the last one by at most ``room - nbytes`` bytes."""
+        out: list[_Taken] = []
+        got = 0
+        # first mappings that split no free block, then those worth the bytes they strand
         for ratio in (0, STITCH_RATIO):
             for handle in self._by_stream.get(stream, ()):
-                if len(out) >= count:
+                if got >= nbytes:
                     return out
                 seg = self._segments[handle]
                 ranges = self._mm.pool.carve_free_pages(
-                    handle, self.page, (count - len(out)) * self.page, stream=stream,
-                    keep=keep if seg is target else (0, 0), ratio=ratio)
-                out.extend((seg, o) for off, n in ranges for o in range(off, off + n, self.page))
+                    handle, self.page, nbytes - got, stream=stream,
+                    keep=keep if seg is target else (0, 0), ratio=ratio,
+                    bounds=seg.bounds(), overshoot=room is not None)
+                for off, n in ranges:
+                    for o, m in seg.mappings_in(off, n):
+                        out.append((seg, o, m))
+                        got += m
+        if room is not None and got > room:
+            # past the reservation's end: the largest surplus goes back to the pool
+            while out and got - out[-1][2] >= nbytes:
+                seg, o, m = out.pop()
+                self._refill([(seg, o, m)], stream)
+                got -= m
+            if got > room:
+                self._refill(out, stream)
+                out = []
         return out
 
     def _map_range(self, seg: _Segment, offset: int, size: int, keep: tuple[int, int],
-                   stream: int) -> bool:
-        """Map pages at [offset, offset + size) of ``seg``: moved ones first, then new ones.
-        False (nothing changed) when the limits or the driver refuse; other errors propagate
-        after the rollback."""
+                   stream: int, at_end: bool) -> int | None:
+        """Map at least ``size`` bytes at ``offset`` of ``seg``: free mappings moved from
+        elsewhere first, then one new handle for the rest. Returns the bytes mapped (more
+        than ``size`` only at the end, when a moved mapping was larger than needed), or None
+        (nothing changed) when the limits or the driver refuse; other errors propagate after
+        the rollback."""
         pool = self._mm.pool
-        count = size // self.page
-        sources = self._take_pages(seg, count, stream, keep)
-        new = (count - len(sources)) * self.page
+        room = seg.reserved - offset if at_end else None
+        sources = self._take_mappings(seg, size, stream, keep, room)
+        moved = sum(n for _, _, n in sources)
+        new = max(size - moved, 0)
         if (new and self._mm.config.release_before_grow
                 and pool.reserved_bytes + new > pool.peak_reserved_bytes):
             # past the high-water mark: idle small-pool segments go back to the device first
@@ -208,60 +271,64 @@ class ExpandableSegments:
         if new and not self._mm.segment_allowed(new, pool.reserved_bytes,
                                                  self._dev.mem_get_info()[0]):
             self._refill(sources, stream)
-            return False
-        loose: list[tuple[int, tuple[_Segment, int] | None]] = []    # (handle, origin)
+            return None
+        loose: list[tuple[int, int, _Taken | None]] = []    # (handle, bytes, origin)
         done = 0
         try:
             if sources:
                 self._drain((stream,))
-            for src, off in sources:
-                self._call(self._dev.vm_unmap, src.address + off, self.page)
-                loose.append((src.pages.pop(off), (src, off)))
+            for src, off, n in sources:
+                self._call(self._dev.vm_unmap, src.address + off, n)
+                handle, _ = src.take(off)
+                loose.append((handle, n, (src, off, n)))
                 done += 1
-            while len(loose) < count:
-                loose.append((self._call(self._dev.vm_create, self.page), None))
-            # one call maps every page of the range (moved ones first, then new ones) and
-            # grants access to the range at once; on failure none of them is mapped
-            self._map_many(seg.address + offset, [handle for handle, _ in loose])
+            for n in self._handle_sizes(new):
+                loose.append((self._call(self._dev.vm_create, n), n, None))
+            # one call maps every handle of the range (moved ones first, then the new one)
+            # and grants access to the range at once; on failure none of them is mapped
+            self._map_many(seg.address + offset, [(h, n) for h, n, _ in loose])
         except BaseException as exc:
             self._roll_back(loose, sources[done:], stream)
             if isinstance(exc, DriverOutOfMemory):
-                return False
+                return None
             raise
-        seg.pages.update(zip(range(offset, offset + size, self.page),
-                             (handle for handle, _ in loose)))
-        self.stitched_bytes += len(sources) * self.page
-        return True
+        at = offset
+        for handle, n, _ in loose:
+            seg.add(at, handle, n)
+            at += n
+        self.stitched_bytes += moved
+        return moved + new
 
-    def _roll_back(self, loose: list[tuple[int, Any]], untouched: list[tuple[_Segment, int]],
+    def _roll_back(self, loose: list[tuple[int, int, _Taken | None]], untouched: list[_Taken],
                    stream: int) -> None:
         """Undo a failed _map_range (nothing of it is mapped at the target: vm_map_many is all
-        or nothing): moved pages go back where they were (released if that is refused too);
-        new ones are released; carved pages never unmapped are free blocks again."""
+        or nothing): moved mappings go back where they were (released if that is refused too);
+        the new handle is released; carved mappings never unmapped are free blocks again."""
         back = list(untouched)
         unplaced = []
-        for handle, origin in loose:
+        for handle, n, origin in loose:
             if origin is not None:
-                src, off = origin
+                src, off, _ = origin
                 try:
-                    self._call(self._dev.vm_map, src.address + off, self.page, handle)
+                    self._call(self._dev.vm_map, src.address + off, n, handle)
                 except DriverError:
                     pass                            # released below: it stays a hole
                 else:
-                    src.pages[off] = handle
+                    src.add(off, handle, n)
                     back.append(origin)
                     continue
-            unplaced.append(handle)
-        self._release_pages(unplaced)
+            unplaced.append((handle, n))
+        self._release_handles(unplaced)
         self._refill(back, stream)
 
-    def _refill(self, pages: list[tuple[_Segment, int]], stream: int) -> None:
-        """Carved pages that are still (or again) mapped become free blocks again."""
-        for src, off in pages:
-            self._fill(src, off, self.page, stream)
+    def _refill(self, taken: list[_Taken], stream: int) -> None:
+        """Carved mappings that are still (or again) mapped become free blocks again."""
+        for src, off, n in taken:
+            self._fill(src, off, n, stream)
 
     def _grow_new(self, nbytes: int, stream: int, tag: Any) -> Any:
-        """grow() for a stream without room: reserve a segment and map its first pages."""
+        """grow() for a stream without room: reserve a segment and map its first pages (one
+        handle)."""
         mm = self._mm
         extra = _round_up(mm.pool.round_size(nbytes), self.page)
         free, _ = self._dev.mem_get_info()
@@ -273,18 +340,21 @@ class ExpandableSegments:
         except DriverOutOfMemory:
             return None
         seg = _Segment(address, size, stream)
-        created: list[int] = []
+        created: list[tuple[int, int]] = []
         try:
-            for _ in range(0, extra, self.page):
-                created.append(self._call(self._dev.vm_create, self.page))
+            for n in self._handle_sizes(extra):
+                created.append((self._call(self._dev.vm_create, n), n))
             self._map_many(address, created)
         except BaseException as exc:
-            self._release_pages(created)           # none of them is mapped
+            self._release_handles(created)          # none of them is mapped
             self._unreserve(seg)
             if isinstance(exc, DriverOutOfMemory):
                 return None
             raise
-        seg.pages.update(zip(range(0, extra, self.page), created))
+        at = 0
+        for handle, n in created:
+            seg.add(at, handle, n)
+            at += n
         try:
             buf = mm.alloc_in_new_segment(address, address, extra, nbytes, stream, tag)
         except MemoryError:                # the pool did not adopt the segment
@@ -295,20 +365,24 @@ class ExpandableSegments:
         self.segment_events += 1
         return buf
 
+    def _handle_sizes(self, nbytes: int) -> list[int]:
+        """The sizes of the handles that new memory of ``nbytes`` (whole pages) is made of."""
+        return [min(self.handle_size, nbytes - o) for o in range(0, nbytes, self.handle_size)]
+
     def _unreserve(self, seg: _Segment) -> None:
-        """Undo a new segment the pool never saw: its pages, then its reservation."""
-        self._unmap_release(seg, sorted(seg.pages))
+        """Undo a new segment the pool never saw: its mappings, then its reservation."""
+        self._unmap_release(seg, sorted((o, n) for o, (_, n) in seg.maps.items()))
         self._call(self._dev.vm_free, seg.address, seg.reserved)
 
     def _call(self, fn: Any, *args: Any) -> Any:
         self.driver_calls += 1
         return fn(*args)
 
-    def _map_many(self, address: int, handles: list[int]) -> None:
-        """Map ``handles`` (one page each) side by side from ``address``: a cuMemMap each and
+    def _map_many(self, address: int, handles: list[tuple[int, int]]) -> None:
+        """Map ``(handle, bytes)`` pairs side by side from ``address``: a cuMemMap each and
         one cuMemSetAccess for the range (all or nothing)."""
         self.driver_calls += len(handles) + 1
-        self._dev.vm_map_many(address, [(h, self.page) for h in handles])
+        self._dev.vm_map_many(address, handles)
 
     def _drain(self, streams: Any) -> None:
         """Make sure no queued work can still touch free memory cached for ``streams`` before
@@ -331,15 +405,16 @@ class ExpandableSegments:
         self._dev.synchronize()
         self.stitch_syncs += 1
 
-    def _unmap_release(self, seg: _Segment, offsets: Any) -> int:
-        """Unmap and free the pages at ``offsets``; the bytes freed (see _release_pages)."""
-        unmapped: list[int] = []
+    def _unmap_release(self, seg: _Segment, mappings: list[tuple[int, int]]) -> int:
+        """Unmap and free the mappings ``[(offset, bytes), ...]``; the bytes freed (see
+        _release_handles)."""
+        unmapped: list[tuple[int, int]] = []
         try:
-            for offset in offsets:
-                self._call(self._dev.vm_unmap, seg.address + offset, self.page)
-                unmapped.append(seg.pages.pop(offset))
+            for offset, n in mappings:
+                self._call(self._dev.vm_unmap, seg.address + offset, n)
+                unmapped.append(seg.take(offset))
         finally:
-            freed = self._release_pages(unmapped)
+            freed = self._release_handles(unmapped)
         return freed
 
     # --- giving memory back ----------------------------------------------------------------------
@@ -350,27 +425,30 @@ class ExpandableSegments:
         if not self._mm.lock.acquire(blocking=False):
             return 0
         try:
-            return sum(self._mm.pool.free_page_bytes(h, self.page) for h in self._segments)
+            return sum(self._mm.pool.free_page_bytes(h, self.page, s.bounds())
+                       for h, s in self._segments.items())
         finally:
             self._mm.lock.release()
 
     def trim(self, max_bytes: int | None = None, *, floor: dict[int, int] | None = None) -> int:
-        """Unmap and release free whole pages (inside segments too) until ``max_bytes`` are
-        returned (all when None); with ``floor`` (handle -> offset) no page below it. The
-        bytes returned. A driver that refuses to unmap or free a page warns (as a refused
-        segment free does): the pages it kept stay cached or held for a later retry."""
+        """Unmap and release the mappings that lie wholly in free blocks (inside segments too)
+        until at least ``max_bytes`` are returned (all when None); with ``floor`` (handle ->
+        offset) none below it. The bytes returned. A driver that refuses to unmap or free a
+        handle warns (as a refused segment free does): what it kept stays cached or held for
+        a later retry."""
         released = self.release_held()
         drained = False
         pool = self._mm.pool
         for seg in list(self._segments.values()):
             if max_bytes is not None and released >= max_bytes:
                 break
-            budget = () if max_bytes is None else (_round_up(max_bytes - released, self.page),)
+            budget = () if max_bytes is None else (max_bytes - released,)
             ranges = pool.carve_free_pages(seg.address, self.page, *budget,
-                                           min_offset=(floor or {}).get(seg.address, 0))
-            offsets = [o for off, n in ranges for o in range(off, off + n, self.page)]
-            if not offsets:
-                if not seg.pages and pool.detach_if_unused(seg.address):
+                                           min_offset=(floor or {}).get(seg.address, 0),
+                                           bounds=seg.bounds(), overshoot=True)
+            taken = [m for off, n in ranges for m in seg.mappings_in(off, n)]
+            if not taken:
+                if not seg.maps and pool.detach_if_unused(seg.address):
                     self.release(seg.address)     # all holes (its pages moved): address only
                 continue
             if not drained:
@@ -378,70 +456,75 @@ class ExpandableSegments:
                     # the carved blocks may sit in any stream's heap
                     self._drain(pool.streams_with_free(_NO_STREAM) + [seg.stream])
                 except BaseException:
-                    self._refill([(seg, o) for o in offsets], seg.stream)
+                    self._refill([(seg, o, n) for o, n in taken], seg.stream)
                     raise
                 drained = True
             unmapped = []
-            for i, offset in enumerate(offsets):
+            for i, (offset, n) in enumerate(taken):
                 try:
-                    self._call(self._dev.vm_unmap, seg.address + offset, self.page)
+                    self._call(self._dev.vm_unmap, seg.address + offset, n)
                 except BaseException as exc:
-                    # no queued work uses them: any stream may have the pages back
-                    self._refill([(seg, o) for o in offsets[i:]], seg.stream)
-                    released += self._release_pages(unmapped)
+                    # no queued work uses them: any stream may have the memory back
+                    self._refill([(seg, o, m) for o, m in taken[i:]], seg.stream)
+                    released += self._release_handles(unmapped)
                     if not isinstance(exc, DriverError):
                         raise
-                    warnings.warn(f"gpumem: {self._dev.device_string} refused to unmap a page "
-                                  f"({exc}); it stays cached", RuntimeWarning)
+                    warnings.warn(f"gpumem: {self._dev.device_string} refused to unmap a "
+                                  f"mapping ({exc}); it stays cached", RuntimeWarning)
                     return released
-                unmapped.append(seg.pages.pop(offset))
-            released += self._release_pages(unmapped)
-            if not seg.pages and pool.detach_if_unused(seg.address):
+                unmapped.append(seg.take(offset))
+            released += self._release_handles(unmapped)
+            if not seg.maps and pool.detach_if_unused(seg.address):
                 self.release(seg.address)
         return released
 
-    def _release_pages(self, handles: list[int]) -> int:
-        """vm_release each unmapped page; the bytes released. A page the driver refuses to
-        free is held (unmapped, still allocated) and freed again by the next trim or close()."""
+    def _release_handles(self, handles: list[tuple[int, int]]) -> int:
+        """vm_release each unmapped ``(handle, bytes)``; the bytes released. A handle the
+        driver refuses to free is held (unmapped, still allocated) and freed again by the next
+        trim or close()."""
         refused = []
+        freed = 0
         error: DriverError | None = None
-        for handle in handles:
+        for handle, n in handles:
             try:
                 self._call(self._dev.vm_release, handle)
             except DriverError as exc:
-                refused.append(handle)
+                refused.append((handle, n))
                 error = exc
+            else:
+                freed += n
         if refused:
             self._held.extend(refused)
             warnings.warn(f"gpumem: {self._dev.device_string} refused to free "
                           f"{len(refused)} page handle(s) ({error}); they stay allocated and "
                           f"are freed again by the next trim or close()", RuntimeWarning)
-        return (len(handles) - len(refused)) * self.page
+        return freed
 
     def release_held(self) -> int:
-        """Free the pages the driver refused to free before; the bytes freed now (the ones it
-        refuses again stay held, without a new warning)."""
+        """Free the handles the driver refused to free before; the bytes freed now (the ones
+        it refuses again stay held, without a new warning)."""
         held, self._held = self._held, []
         freed = 0
-        for i, handle in enumerate(held):
+        for handle, n in held:
             try:
                 self._call(self._dev.vm_release, handle)
             except DriverError:
-                self._held.append(handle)
+                self._held.append((handle, n))
             else:
-                freed += self.page
+                freed += n
         return freed
 
     @property
     def held_pages(self) -> int:
-        """Pages unmapped but not yet freed: the driver refused to free them (retried later)."""
+        """Handles unmapped but not yet freed: the driver refused to free them (retried
+        later)."""
         return len(self._held)
 
     def release(self, handle: int) -> int:
-        """A segment without live blocks that the pool detached: unmap and release its pages,
-        free its reservation. Returns the bytes freed. A driver refusal warns: a page it
-        refuses to free is held for a retry; one it refuses to unmap, and the reservation
-        then, are lost to this manager (the driver still holds them)."""
+        """A segment without live blocks that the pool detached: unmap and release its
+        mappings, free its reservation. Returns the bytes freed. A driver refusal warns: a
+        handle it refuses to free is held for a retry; one it refuses to unmap, and the
+        reservation then, are lost to this manager (the driver still holds them)."""
         seg = self._segments.pop(handle)
         self.segment_events += 1
         handles = self._by_stream.get(seg.stream, [])
@@ -451,7 +534,7 @@ class ExpandableSegments:
                 del self._by_stream[seg.stream]
         freed = 0
         try:
-            freed = self._unmap_release(seg, sorted(seg.pages))
+            freed = self._unmap_release(seg, sorted((o, n) for o, (_, n) in seg.maps.items()))
             self._call(self._dev.vm_free, seg.address, seg.reserved)
         except DriverError as exc:
             warnings.warn(f"gpumem: {self._dev.device_string} refused to unmap or free an "

@@ -174,17 +174,20 @@ class FallbackPoolMachine(PoolMachine):
 
 
 class ExpandablePoolMachine(PoolMachine):
-    """The same rules with expandable segments on, and page creation and mapping failing at
-    random: every rollback must leave the invariants (incl. mapped == pool bytes) intact."""
+    """The same rules with expandable segments on (one page per physical handle, or 6 MiB
+    handles), and handle creation and mapping failing at random: every rollback must leave
+    the invariants (incl. mapped == pool bytes) intact."""
 
-    @initialize(seed=st.integers(0, 2**32 - 1), max_pool_size=st.sampled_from([None, 16 * MiB]))
-    def setup(self, seed: int, max_pool_size) -> None:
+    @initialize(seed=st.integers(0, 2**32 - 1), max_pool_size=st.sampled_from([None, 16 * MiB]),
+                handle_size=st.sampled_from([0, 6 * MiB]))
+    def setup(self, seed: int, max_pool_size, handle_size: int) -> None:
         self.dev = gpumem_sim.SimDevice("128MiB", back_memory=True, fail_rate=0.05, seed=seed)
         self.dev.inject_vm(create_rate=0.03, map_rate=0.03)
         gpumem_sim.install(self.dev)
         self.mm = MemoryManager("sim:0", MemoryConfig(
             min_free_bytes=0, gpu_memory_fraction=1.0, track_allocations=False,
-            cpu_fallback_enabled=False, expandable_segments=True, max_pool_size=max_pool_size))
+            cpu_fallback_enabled=False, expandable_segments=True, max_pool_size=max_pool_size,
+            expandable_handle_size=handle_size))
         assert self.mm._expandable is not None
         self.streams = [0, self.dev.create_stream(), self.dev.create_stream()]
         self.live = []

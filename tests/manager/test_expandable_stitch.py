@@ -1,77 +1,24 @@
 """Holes and stitching in expandable segments (gpumem/manager/expandable.py, the pool's unmapped block
-state in gpumem/_core/pool_pages.pyx).
+state in gpumem/_core/pool_pages.pyx), with one page per physical handle (the default).
 
-Each test runs twice: level **real** on the simulated device (back_memory=True: bytes are kept
-per physical page, so a page moved elsewhere shows its bytes there and unmapped addresses
-fail), and level **fake driver** (the real cuda-python against tests/fake_cuda, whose VMM
-block enforces the driver's rules and backs each handle with its own memory; it runs in
-ci/test.sh's second pass, GPUMEM_TEST_BACKENDS=cuda, and skips elsewhere). Each ends with the
-invariant checker (physical bytes = mapped bytes, every page of a non-hole block mapped) and
-with no page handle, mapping or reservation left after close()."""
+Tests using the ``vm`` fixture (tests/vm_managers.py) run twice: level **real** on the
+simulated device and level **fake driver** (tests/fake_cuda). Each ends with the invariant
+checker (physical bytes = mapped bytes, every page of a non-hole block mapped) and with no
+page handle, mapping or reservation left after close()."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 
-from gpumem import MemoryConfig, MemoryManager, OutOfMemoryError
+from gpumem import OutOfMemoryError
 from gpumem.errors import DriverError, DriverOutOfMemory
 from gpumem.units import MiB
 from invariants import check, sim_manager, snapshot_state
+from vm_managers import PAGE, random_walk, vm  # noqa: F401
+from vm_managers import fill as _fill, intact as _intact, layout as _layout
 
 pytestmark = pytest.mark.usefixtures("clean_registry")
-
-PAGE = 2 * MiB      # sim's and the fake's granularity
-
-
-@dataclass
-class VM:
-    mm: MemoryManager
-    leaks: Callable[[], tuple[int, int, int]]      # live page handles, mappings, reservations
-    base: tuple[int, int, int]                     # what was live before the manager
-
-    @property
-    def physical(self) -> int:
-        """Device memory in use (total - free): the mapped pages, nothing else here."""
-        free, total = self.mm.device.mem_get_info()
-        return total - free
-
-
-@pytest.fixture(params=["sim", "cuda"])
-def vm(request) -> Any:
-    if request.param == "sim":
-        dev, mm = sim_manager("1GiB", back_memory=True, expandable_segments=True)
-        leaks = lambda: (dev.live_page_handles, dev.live_mappings, dev.live_reservations)  # noqa
-    else:
-        f = request.getfixturevalue("fake")
-        leaks = lambda: (f.fake_cuda_live_vmm_handles(), f.fake_cuda_live_vmm_mappings(),  # noqa
-                         f.fake_cuda_live_vmm_reservations())
-        base = leaks()
-        mm = MemoryManager("cuda:0", MemoryConfig(cpu_fallback_enabled=False, min_free_bytes=0,
-                                                  gpu_memory_fraction=1.0,
-                                                  expandable_segments=True))
-    assert mm._expandable is not None
-    v = VM(mm, leaks, base if request.param == "cuda" else (0, 0, 0))
-    yield v
-    mm.close()
-    assert leaks() == v.base, "a page handle, mapping or reservation leaked"
-
-
-def _fill(buf, tag: int) -> bytes:
-    data = bytes((tag + i) % 251 for i in range(4096)) * 4
-    buf.copy_from_host(data)
-    return data
-
-
-def _intact(bufs_and_data) -> None:
-    for buf, data in bufs_and_data:
-        assert bytes(buf.copy_to_host()[:len(data)]) == data, f"buffer {buf.id} lost its bytes"
-
-
-def _layout(mm) -> list[tuple[int, int, str]]:
-    [seg] = [s for s in mm.pool.segments() if s["pool"] == "large"]
-    return [(b["offset"], b["size"], b["state"]) for b in seg["blocks"]]
 
 
 def test_empty_cache_releases_inner_pages_while_blocks_live_on_both_sides(vm):
@@ -280,40 +227,9 @@ def test_snapshot_text_plot_and_torch_export_show_holes(tmp_path):
 
 
 def test_random_work_keeps_every_invariant_and_every_byte(vm):
-    """A seeded random walk of large and small mallocs, frees, empty_cache and shrink, on
-    sim and on the fake driver: after every step the invariant checker passes (physical =
-    mapped, holes whole pages, counters exact) and every live buffer still holds the bytes
-    written into it, while holes and stitching both happen (the walk is long enough)."""
-    import random
-    mm = vm.mm
-    rng = random.Random(7)
-    live: list[tuple[Any, bytes]] = []
-    holes_seen = False
-    for step in range(300):
-        r = rng.random()
-        if r < 0.5 or not live:
-            n = rng.choice([rng.randrange(1, 1 << 20), rng.randrange(1 << 20, 24 * MiB)])
-            buf = mm.malloc(n)
-            data = bytes([step % 251]) * min(n, 4096)
-            buf.copy_from_host(data)
-            live.append((buf, data))
-        elif r < 0.9:
-            buf, data = live.pop(rng.randrange(len(live)))
-            assert bytes(buf.copy_to_host()[:len(data)]) == data
-            buf.free()
-        elif r < 0.95:
-            mm.empty_cache()
-        else:
-            mm.shrink(rng.randrange(0, 64 * MiB))
-        holes_seen |= any(b["state"] == "unmapped" for s in mm.pool.segments()
-                          for b in s["blocks"])
-        check(mm, [b for b, _ in live])
-    _intact(live)
-    assert holes_seen and mm._expandable.stitched_bytes > 0
-    for buf, _ in live:
-        buf.free()
-    assert mm.empty_cache() >= 0 and mm.pool.reserved_bytes == 0
-    check(mm, [])
+    """vm_managers.random_walk with one page per handle: every invariant and every live
+    buffer's bytes after each of 300 steps in which holes and stitching both occur."""
+    random_walk(vm.mm)
 
 
 @pytest.mark.parametrize("release_before_grow", [True, False])

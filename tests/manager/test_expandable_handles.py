@@ -1,0 +1,167 @@
+"""Physical handles of several pages in expandable segments
+(``MemoryConfig(expandable_handle_size=n)``; gpumem/manager/expandable.py, the pool's whole-mapping
+carving in gpumem/_core/pool_pages.pyx).
+
+The driver maps, unmaps and releases a physical handle whole, so memory made of larger handles
+costs fewer driver calls, and a handle can move to another address or go back to the device
+only when no live block touches it. Tests using the ``vm`` fixture (tests/vm_managers.py) run
+at level **real** (sim, back_memory=True) and **fake driver** (tests/fake_cuda, in ci/test.sh's
+cuda passes); each ends with the invariant checker and with no handle, mapping or reservation
+left after close().
+"""
+from __future__ import annotations
+
+import pytest
+
+from gpumem import MemoryConfig
+from gpumem.errors import DriverOutOfMemory, InvalidInputError
+from gpumem.units import MiB
+from invariants import check, sim_manager, snapshot_state
+from vm_managers import PAGE, fill, intact, layout, random_walk, vm  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("clean_registry")
+
+
+@pytest.mark.handle_size(8 * MiB)
+def test_new_memory_comes_in_handles_of_the_configured_size(vm):
+    """A 20 MiB growth with 8 MiB handles is three handles (8, 8 and 4 MiB) mapped by one
+    vm_map_many: 1 reserve + 3 creates + 3 maps + 1 access grant, where one page per handle
+    makes 10 creates and 10 maps."""
+    mm = vm.mm
+    calls = mm._expandable.driver_calls
+    a = mm.malloc(20 * MiB)
+    [seg] = mm._expandable.layout()
+    assert mm._expandable.mappings(seg) == [(0, 8 * MiB), (8 * MiB, 8 * MiB), (16 * MiB, 4 * MiB)]
+    assert mm._expandable.driver_calls - calls == 8
+    assert vm.physical == 20 * MiB == mm.pool.reserved_bytes
+    data = fill(a, 1)
+    intact([(a, data)])
+    check(mm, [a])
+
+
+@pytest.mark.handle_size(8 * MiB)
+def test_only_wholly_free_handles_go_back_to_the_device(vm):
+    """After a 24 MiB block (three 8 MiB handles) is freed and a 4 MiB request takes the start
+    of its free block, empty_cache returns the two handles the live block does not touch
+    (16 MiB) and keeps the first one mapped: its free half stays cached. Physical memory,
+    the pool's reserved bytes and the blocks agree; the live bytes survive."""
+    mm = vm.mm
+    a = mm.malloc(24 * MiB)
+    guard = mm.malloc(8 * MiB)
+    kept = [(guard, fill(guard, 2))]
+    start = a.ptr
+    a.free()
+    b = mm.malloc(4 * MiB)
+    assert b.ptr == start
+    kept.append((b, fill(b, 3)))
+    assert mm.empty_cache() == 16 * MiB
+    assert vm.physical == 16 * MiB == mm.pool.reserved_bytes
+    assert layout(mm) == [(0, 4 * MiB, "allocated"), (4 * MiB, 4 * MiB, "free"),
+                          (8 * MiB, 16 * MiB, "unmapped"), (24 * MiB, 8 * MiB, "allocated")]
+    intact(kept)
+    check(mm, [b, guard])
+    b.free()                                     # now the first handle is wholly free too
+    assert mm.empty_cache() == 8 * MiB and vm.physical == 8 * MiB
+    intact(kept[:1])
+    check(mm, [guard])
+
+
+def _two_free_runs(mm):
+    """16 MiB free (two handles) at 0, a live 4 MiB, 16 MiB free at 20 MiB, a live 4 MiB."""
+    a, s1, b, s2 = (mm.malloc(n * MiB) for n in (16, 4, 16, 4))
+    kept = [(s1, fill(s1, 1)), (s2, fill(s2, 2))]
+    a.free()
+    b.free()
+    return kept
+
+
+@pytest.mark.handle_size(8 * MiB)
+def test_a_stitch_moves_whole_free_handles(vm):
+    """A 30 MiB request fits neither 16 MiB free run: the pool moves the four free 8 MiB
+    handles (32 MiB, the surplus stays a free tail) to the segment's end instead of creating
+    memory: physical memory does not grow, the driver sees 4 unmaps, 4 maps and one access
+    grant (one page per handle: 15 of each), and every byte survives."""
+    mm = vm.mm
+    kept = _two_free_runs(mm)
+    before, calls = vm.physical, mm._expandable.driver_calls
+    d = mm.malloc(30 * MiB)
+    assert vm.physical == before == mm.pool.reserved_bytes
+    assert mm._expandable.stitched_bytes == 32 * MiB
+    assert mm._expandable.driver_calls - calls == 9
+    kept.append((d, fill(d, 9)))
+    intact(kept)
+    check(mm, [s for s, _ in kept])
+
+
+@pytest.mark.handle_size(8 * MiB)
+@pytest.mark.parametrize("fault", ["map", "unmap", "create"])
+def test_a_refusal_while_moving_handles_rolls_back_completely(vm, fault, monkeypatch):
+    """A 40 MiB miss moves the four free handles and creates 8 MiB more; the 2nd unmap, the
+    creation or the mapping (all of the range, one call) is refused: every handle goes back
+    where it was, and the pool's blocks and counters, the device's physical memory and its
+    live handles and mappings are as before; the same miss works afterwards."""
+    mm = vm.mm
+    kept = _two_free_runs(mm)
+    state, physical, live = snapshot_state(mm), vm.physical, vm.leaks()
+    dev = mm._expandable._dev
+    name, nth = {"map": ("vm_map_many", 1), "unmap": ("vm_unmap", 2),
+                 "create": ("vm_create", 1)}[fault]
+    real = getattr(dev, name)
+    calls = []
+
+    def refuse_nth(*args):
+        calls.append(args)
+        if len(calls) == nth:
+            raise DriverOutOfMemory(f"{name} refused (test)")
+        return real(*args)
+
+    monkeypatch.setattr(dev, name, refuse_nth)
+    with mm._slow:
+        assert mm._expandable.grow(40 * MiB, 0, None) is None
+    monkeypatch.undo()
+    assert len(calls) == nth
+    assert snapshot_state(mm) == state and vm.physical == physical and vm.leaks() == live
+    check(mm, [s for s, _ in kept])
+    intact(kept)
+    g = mm.malloc(40 * MiB)
+    intact(kept)
+    check(mm, [s for s, _ in kept] + [g])
+
+
+@pytest.mark.handle_size(6 * MiB)
+def test_random_work_with_three_page_handles_keeps_every_invariant(vm):
+    """vm_managers.random_walk with 6 MiB handles: handles straddle blocks of every size, so
+    moves and trims must take whole handles only; every invariant and byte after each step."""
+    random_walk(vm.mm)
+
+
+def test_the_handle_size_is_checked_and_read_from_the_environment():
+    """Level real. A bad size names the field; GPUMEM_EXPANDABLE_HANDLE_SIZE sets it; a size
+    that is not whole pages is rounded down to whole pages (at least one)."""
+    for bad in (-1, "8MiB", 1.5, True):
+        with pytest.raises(InvalidInputError, match="expandable_handle_size"):
+            MemoryConfig(expandable_handle_size=bad)
+    cfg = MemoryConfig.from_env({"GPUMEM_EXPANDABLE_HANDLE_SIZE": "20MiB"})
+    assert cfg.expandable_handle_size == 20 * MiB
+    for asked, made in ((0, PAGE), (PAGE - 1, PAGE), (5 * MiB, 4 * MiB), (20 * MiB, 20 * MiB)):
+        _, mm = sim_manager("256MiB", expandable_segments=True, expandable_handle_size=asked)
+        try:
+            assert mm._expandable.handle_size == made
+        finally:
+            mm.close()
+
+
+def test_mapping_bounds_must_ascend():
+    """Level real. The pool's carve takes the mapping boundaries as an ascending list; any
+    other order is refused before the pool's lock is taken, and nothing changes."""
+    _, mm = sim_manager("256MiB", expandable_segments=True)
+    try:
+        a = mm.malloc(8 * MiB)
+        [seg] = mm._expandable.layout()
+        state = snapshot_state(mm)
+        with pytest.raises(ValueError, match="ascend"):
+            mm.pool.carve_free_pages(seg, PAGE, bounds=[4 * MiB, 2 * MiB])
+        assert snapshot_state(mm) == state
+        a.free()
+    finally:
+        mm.close()
