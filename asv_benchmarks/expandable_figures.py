@@ -12,6 +12,8 @@ settings and with expandable_segments:True.
     python asv_benchmarks/expandable_figures.py [--repeat 3] [--configs default,constrained]
     python asv_benchmarks/expandable_figures.py --hit-pair   # malloc+free cache hits, off vs on
     python asv_benchmarks/expandable_figures.py --stitch-ratio 3   # another STITCH_RATIO
+    python asv_benchmarks/expandable_figures.py --handle-sizes 2MiB,4MiB,8MiB,20MiB
+        # the default preset with each expandable_handle_size against plain segments
 """
 from __future__ import annotations
 
@@ -70,6 +72,39 @@ def workloads(synthetic: str, seeds: str) -> list[tuple[str, object]]:
     return out
 
 
+def handle_size_table(rows: list[tuple[str, object]], sizes: list[str], repeat: int) -> int:
+    """Per trace: plain segments, then expandable segments with each handle size (default
+    preset otherwise): peak physical / peak live, driver calls and modeled driver time (and
+    each over plain), events/s over plain (median of ``repeat`` interleaved pairs)."""
+    from gpumem.units import parse_size
+    nbytes = [parse_size(s, what="--handle-sizes") for s in sizes]
+    print("| trace | plain: ratio, calls, modeled ms | " + " | ".join(
+        f"handles {s}: ratio, calls (x plain), modeled ms (x plain), events/s x plain"
+        for s in sizes) + " |")
+    print("|---|---:|" + "---:|" * len(sizes))
+    base = replay_config("default")
+    for label, data in rows:
+        plain = replay(data, "sim:80GiB", base.replace(expandable_segments=False))
+        cells = [f"{plain.reserved_live_ratio:.3f}, {plain.driver_calls:,}, "
+                 f"{plain.modeled_driver_seconds * 1e3:,.1f}"]
+        for n in nbytes:
+            cfg = base.replace(expandable_segments=True, expandable_handle_size=n)
+            speed, res = [], None
+            for _ in range(repeat):
+                off = replay(data, "sim:80GiB", base.replace(expandable_segments=False))
+                res = replay(data, "sim:80GiB", cfg)
+                speed.append(res.events_per_second / off.events_per_second)
+            assert res is not None
+            cells.append(
+                f"{res.reserved_live_ratio:.3f}, {res.driver_calls:,} "
+                f"({res.driver_calls / plain.driver_calls:.1f}), "
+                f"{res.modeled_driver_seconds * 1e3:,.1f} "
+                f"({res.modeled_driver_seconds / plain.modeled_driver_seconds:.2f}), "
+                f"{statistics.median(speed):.2f}")
+        print(f"| {label} | " + " | ".join(cells) + " |", flush=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=3)
@@ -81,6 +116,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stitch-ratio", type=float, default=None,
                     help="replace gpumem.manager.expandable.STITCH_RATIO (derived from the "
                          "driver cost table) to see how the figures move with it")
+    ap.add_argument("--handle-sizes", default=None,
+                    help="comma-separated MemoryConfig.expandable_handle_size values: print "
+                         "ratio, driver calls and modeled driver time for each instead")
     args = ap.parse_args(argv)
     if args.stitch_ratio is not None:
         if not args.stitch_ratio >= 0:
@@ -94,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     if not rows:
         print("no traces found (set GPUMEM_TRACES)", file=sys.stderr)
         return 1
+    if args.handle_sizes:
+        return handle_size_table(rows, args.handle_sizes.split(","), args.repeat)
     print("| trace | config | ratio off | ratio on | torch model | torch expandable | driver "
           "calls off | on | modeled driver ms off | on | on/off | events/s off | on | on/off | "
           "OOMs off/on |")

@@ -4,27 +4,34 @@ On by default on a device with virtual memory (cuda, sim; ``MemoryConfig(
 expandable_segments=False)`` or ``GPUMEM_EXPANDABLE_SEGMENTS=0`` turns it off), a large-pool miss
 does not ask the driver for a new segment. Each stream gets a reserved address range (as large
 as the manager's usable memory: address space costs nothing) that the pool sees as one segment;
-every page (the device's VM granularity) has its own physical handle, so single pages can be
-unmapped and moved (the driver maps and unmaps whole handles only: a handle of several pages
-could move only when all of it is free, which measured 1.08-1.17 on traces where pages must
-move, docs/expandable_segments.md). Inside a segment a range is live, free (mapped, cached) or
-unmapped (a hole: no physical memory; the pool's unmapped block state, pool_pages.pyx).
+its memory is physical handles of at most ``MemoryConfig.expandable_handle_size`` bytes (whole
+pages of the device's VM granularity; by default one page), each mapped at one offset
+(``_Segment.maps``). The driver maps, unmaps and releases a handle whole, so the pool moves and
+trims whole handles only (it is given the mapping boundaries): larger handles cost fewer driver
+calls, but a handle that a live block touches can neither move nor go back. One page per
+handle is the default because it is the only size that keeps every trace within its ratio
+target (docs/expandable_segments.md, "Handle size"). Inside a segment a range is live, free
+(mapped, cached) or unmapped (a hole: no physical memory; the pool's unmapped block state,
+pool_pages.pyx).
 
 A miss (:meth:`ExpandableSegments.grow`) asks the pool where mapping the fewest pages makes
 the request fit: into a hole joined with its free neighbours, or at the segment's end joined
 with its free tail. The pages come first from the free whole pages elsewhere in the stream's
-segments (**stitching**: they are unmapped there, leaving a hole, and mapped where the request
-needs them; no new physical memory), and only the rest are created. All pages of one miss are
-mapped by one ``vm_map_many`` (a cuMemMap per page, one cuMemSetAccess for the range). Pages only
-move between segments of the one stream whose heap holds their free block, and the device is
-synchronized first only when that stream still has work queued (:meth:`_drain` says why). When
-a stream's reservation is used up and no hole fits, it gets another reservation.
+segments (**stitching**: whole free handles are unmapped there, leaving a hole, and mapped
+where the request needs them; no new physical memory; at a segment's end a moved handle may
+be larger than needed, the surplus becoming a free tail), and only the rest is created. All
+handles of one miss are mapped by one ``vm_map_many`` (a cuMemMap per handle, one
+cuMemSetAccess for the range). Memory only moves between segments of the one stream whose
+heap holds its free block, and the device is synchronized first only when that stream still
+has work queued (:meth:`_drain` says why). When a stream's reservation is used up and no hole
+fits, it gets another reservation.
 
-Memory goes back page by page, and only when asked: freed pages stay mapped and cached until
-:meth:`ExpandableSegments.trim` (empty_cache, shrink, the cache cap, pressure responses and the
-OOM ladder, through ``SegmentGrowth.release_cached``) unmaps and releases every free whole
-page, inside segments too (the same stream rule decides whether it synchronizes first); a
-segment without live blocks is detached by the pool and released whole (:meth:`release`).
+Memory goes back handle by handle, and only when asked: freed memory stays mapped and cached
+until :meth:`ExpandableSegments.trim` (empty_cache, shrink, the cache cap, pressure responses
+and the OOM ladder, through ``SegmentGrowth.release_cached``) unmaps and releases every handle
+that lies wholly in free blocks, inside segments too (the same stream rule decides whether it
+synchronizes first); a segment without live blocks is detached by the pool and released whole
+(:meth:`release`).
 
 Failures roll back completely: when a page cannot be created, unmapped or mapped, the pages of
 this miss go back where they came from (or are released when that is refused too) and the pool

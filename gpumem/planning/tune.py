@@ -40,6 +40,9 @@ __all__ = ["tune", "TuneResult", "Candidate", "gpumem_grid", "torch_grid", "devi
 PRESETS = ("default", "inference", "constrained")
 #: max_split_size values tried besides each preset's own
 GRID_MAX_SPLITS = (64 * MiB, 256 * MiB)
+#: expandable_handle_size tried besides one page (with expandable segments on): larger physical
+#: handles, fewer driver calls, less tight (docs/expandable_segments.md, "Handle size")
+GRID_HANDLE_SIZES = (20 * MiB,)
 #: PyTorch settings tried (PYTORCH_CUDA_ALLOC_CONF values; "" is torch's default)
 TORCH_CONFS = ("", "expandable_segments:True", "max_split_size_mb:128", "max_split_size_mb:512",
                "roundup_power2_divisions:4", "roundup_power2_divisions:8",
@@ -95,7 +98,8 @@ def _short(v: Any) -> str:
 def gpumem_grid(presets: Iterable[str] = PRESETS,
                 max_split_sizes: Iterable[int | None] = GRID_MAX_SPLITS) -> list[Candidate]:
     """Each preset with expandable segments off/on, its own max_split_size and each of
-    ``max_split_sizes``, release_before_grow on/off."""
+    ``max_split_sizes``, release_before_grow on/off; and each preset with expandable segments
+    on and each of GRID_HANDLE_SIZES."""
     out = []
     for preset in presets:
         if preset not in _PRESET_CALL:
@@ -115,6 +119,10 @@ def gpumem_grid(presets: Iterable[str] = PRESETS,
                     if not rbg:
                         ch.append(("release_before_grow", False))
                     out.append(Candidate("gpumem", preset, tuple(ch)))
+        for size in GRID_HANDLE_SIZES:
+            ch = [] if default_exp else [("expandable_segments", True)]
+            out.append(Candidate("gpumem", preset,
+                                 tuple(ch + [("expandable_handle_size", size)])))
     return out
 
 
