@@ -18,6 +18,7 @@ from typing import Any, Callable
 import pytest
 
 from gpumem import MemoryConfig, MemoryManager
+from gpumem.errors import DriverOutOfMemory
 from gpumem.units import MiB
 from invariants import check, sim_manager
 
@@ -59,6 +60,20 @@ def vm(request) -> Any:
     yield v
     mm.close()
     assert leaks() == v.base, "a physical handle, mapping or reservation leaked"
+
+
+def refusing_nth(dev: Any, name: str, nth: int) -> tuple[Callable[..., Any], list[Any]]:
+    """``(stand-in, calls)``: a stand-in for ``dev.<name>`` that passes calls through but
+    refuses the ``nth`` with DriverOutOfMemory, and the list of the calls it saw."""
+    real = getattr(dev, name)
+    calls: list[Any] = []
+
+    def refuse(*args: Any) -> Any:
+        calls.append(args)
+        if len(calls) == nth:
+            raise DriverOutOfMemory(f"{name} refused (test)")
+        return real(*args)
+    return refuse, calls
 
 
 def fill(buf: Any, tag: int) -> bytes:

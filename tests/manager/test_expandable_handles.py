@@ -14,10 +14,10 @@ from __future__ import annotations
 import pytest
 
 from gpumem import MemoryConfig
-from gpumem.errors import DriverOutOfMemory, InvalidInputError
+from gpumem.errors import InvalidInputError
 from gpumem.units import MiB
 from invariants import check, sim_manager, snapshot_state
-from vm_managers import PAGE, fill, intact, layout, random_walk, vm  # noqa: F401
+from vm_managers import PAGE, fill, intact, layout, random_walk, refusing_nth, vm  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("clean_registry")
 
@@ -106,16 +106,8 @@ def test_a_refusal_while_moving_handles_rolls_back_completely(vm, fault, monkeyp
     dev = mm._expandable._dev
     name, nth = {"map": ("vm_map_many", 1), "unmap": ("vm_unmap", 2),
                  "create": ("vm_create", 1)}[fault]
-    real = getattr(dev, name)
-    calls = []
-
-    def refuse_nth(*args):
-        calls.append(args)
-        if len(calls) == nth:
-            raise DriverOutOfMemory(f"{name} refused (test)")
-        return real(*args)
-
-    monkeypatch.setattr(dev, name, refuse_nth)
+    refuse, calls = refusing_nth(dev, name, nth)
+    monkeypatch.setattr(dev, name, refuse)
     with mm._slow:
         assert mm._expandable.grow(40 * MiB, 0, None) is None
     monkeypatch.undo()

@@ -15,7 +15,7 @@ from gpumem import OutOfMemoryError
 from gpumem.errors import DriverError, DriverOutOfMemory
 from gpumem.units import MiB
 from invariants import check, sim_manager, snapshot_state
-from vm_managers import PAGE, random_walk, vm  # noqa: F401
+from vm_managers import PAGE, random_walk, refusing_nth, vm  # noqa: F401
 from vm_managers import fill as _fill, intact as _intact, layout as _layout
 
 pytestmark = pytest.mark.usefixtures("clean_registry")
@@ -98,13 +98,7 @@ def test_a_fault_midway_through_a_stitch_rolls_back_completely(vm, fault, monkey
     name, nth = {"map": ("vm_map_many", 5), "unmap": ("vm_unmap", 3),
                  "create": ("vm_create", 1)}[fault]
     real = getattr(dev, name)
-    calls = []
-
-    def refuse_nth(*args):
-        calls.append(args)
-        if len(calls) == nth:
-            raise DriverOutOfMemory(f"{name} refused (test)")
-        return real(*args)
+    refuse_nth, calls = refusing_nth(dev, name, nth)
 
     def refuse_nth_page(address, handles):
         calls.append(address)
