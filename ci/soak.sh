@@ -3,7 +3,8 @@
 # 8 threads on one manager of a host-backed simulated GPU, patterns checked before every
 # free, in four configurations: driver faults with CPU fallback on and off, and near-100 %
 # pressure with fallback on and off, with expandable segments (the default: holes, stitching,
-# page-creation and map faults); then the faults and pressure runs again with plain segments.
+# page-creation and map faults); twice more with 6 MiB physical handles (whole-handle moves and
+# trims); then the faults and pressure runs again with plain segments.
 # Usage: bash ci/soak.sh [SECONDS]   (default: 1,000,000 operations per configuration;
 #                                     with SECONDS, each configuration runs that long instead)
 set -euo pipefail
@@ -21,6 +22,8 @@ run --capacity 1GiB --fail-rate 0.02 --cpu-fallback --seed 1
 run --capacity 1GiB --fail-rate 0.02 --seed 2
 run --capacity 192MiB --fail-rate 0.01 --cpu-fallback --seed 3
 run --capacity 192MiB --fail-rate 0.01 --seed 4
+run --capacity 1GiB --fail-rate 0.02 --cpu-fallback --seed 7 --handle-size 6MiB
+run --capacity 192MiB --fail-rate 0.01 --seed 8 --handle-size 6MiB
 run --capacity 1GiB --fail-rate 0.02 --cpu-fallback --seed 5 --no-expandable
 run --capacity 192MiB --fail-rate 0.01 --cpu-fallback --seed 6 --no-expandable
 exit $status

@@ -100,10 +100,12 @@ def _size(rng: random.Random, max_size: int) -> int:
 def run(*, ops: int = 20_000, seconds: float | None = None, workers: int = 6,
         capacity: str = "1GiB", max_size: int = 64 * MiB, live_per_worker: int = 12,
         fail_rate: float = 0.0, cpu_fallback: bool = False, seed: int = 0,
-        expandable: bool | None = None, verbose: bool = False) -> StressResult:
+        expandable: bool | None = None, handle_size: int = 0,
+        verbose: bool = False) -> StressResult:
     """One run; ``ops`` is the total across allocator threads (``seconds`` caps it).
     ``expandable``: expandable segments (holes, stitching; ``fail_rate`` then also fails page
-    creation and mapping); None: as GPUMEM_TEST_EXPANDABLE_SEGMENTS says."""
+    creation and mapping); None: as GPUMEM_TEST_EXPANDABLE_SEGMENTS says. ``handle_size``:
+    MemoryConfig.expandable_handle_size (0: one page per physical handle)."""
     if expandable is None:
         from invariants import TEST_EXPANDABLE
         expandable = TEST_EXPANDABLE
@@ -111,7 +113,7 @@ def run(*, ops: int = 20_000, seconds: float | None = None, workers: int = 6,
     gpumem_sim.install(dev)
     config = MemoryConfig(min_free_bytes=0, gpu_memory_fraction=1.0,
                           cpu_fallback_enabled=cpu_fallback, track_allocations=False,
-                          expandable_segments=expandable)
+                          expandable_segments=expandable, expandable_handle_size=handle_size)
     mm = MemoryManager("sim:0", config)
     streams = [0] + [dev.create_stream() for _ in range(3)]
     result = StressResult(threads=workers + 2)
@@ -290,13 +292,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--expandable", action=argparse.BooleanOptionalAction, default=None,
                     help="expandable segments on / off (default: as "
                          "GPUMEM_TEST_EXPANDABLE_SEGMENTS says: on unless it is 0)")
+    ap.add_argument("--handle-size", default="0",
+                    help="MemoryConfig.expandable_handle_size, e.g. 6MiB (0: one page)")
     args = ap.parse_args(argv)
     res = run(ops=args.ops, seconds=args.seconds, workers=args.workers, capacity=args.capacity,
               fail_rate=args.fail_rate, cpu_fallback=args.cpu_fallback, seed=args.seed,
-              expandable=args.expandable)
+              expandable=args.expandable,
+              handle_size=parse_size(args.handle_size, what="--handle-size"))
     print(f"capacity={args.capacity} fail_rate={args.fail_rate} "
           f"cpu_fallback={args.cpu_fallback} seed={args.seed} "
-          f"expandable={'default' if args.expandable is None else args.expandable}: {res}")
+          f"expandable={'default' if args.expandable is None else args.expandable} "
+          f"handle_size={args.handle_size}: {res}")
     for f in res.failures[:20]:
         print("  " + f)
     return 1 if res.failures else 0

@@ -59,6 +59,7 @@ CachingPool's cold methods call the cdef functions of the last four through thei
 tables (one indirect call, on paths that go to the driver or build Python objects anyway).
 """
 cimport cython
+from array import array
 from libc.stdint cimport uint64_t, SIZE_MAX
 from libc.stdlib cimport calloc, free
 from libc.string cimport memset
@@ -250,27 +251,34 @@ cdef int gm_free_gil(gm_pool* p, gm_block* b, uint64_t serial) noexcept:
 @cython.final
 @cython.final
 cdef class _Bounds:
-    """An ascending list of mapping boundaries copied into a C array (NULL for None) before
-    the pool's lock is taken: nothing Python is touched while it is held."""
+    """An ascending sequence of mapping boundaries (an ``array('Q')``, or any sequence of ints)
+    copied into a C array (NULL for None) before the pool's lock is taken: nothing Python is
+    touched while it is held. The copy of an array is a C loop."""
     cdef size_t* data
     cdef size_t n
 
     def __cinit__(self, bounds):
-        cdef size_t i = 0, prev = 0
+        cdef const unsigned long long[::1] mv
+        cdef size_t i
         self.data = NULL
         self.n = 0
         if bounds is None:
             return
-        self.n = len(bounds)
+        if not isinstance(bounds, array):
+            try:
+                bounds = array("Q", bounds)
+            except (OverflowError, TypeError) as exc:
+                raise ValueError(f"bounds must be offsets >= 0, got {bounds!r}") from exc
+        mv = bounds
+        self.n = mv.shape[0]
         self.data = <size_t*>calloc(self.n + 1, sizeof(size_t))
         if self.data == NULL:
             raise MemoryError("cannot copy the mapping boundaries")
-        for x in bounds:
-            self.data[i] = x
-            if i and self.data[i] <= prev:
-                raise ValueError(f"bounds must ascend strictly, got {x} after {prev}")
-            prev = self.data[i]
-            i += 1
+        for i in range(self.n):
+            self.data[i] = <size_t>mv[i]
+            if i and self.data[i] <= self.data[i - 1]:
+                raise ValueError(f"bounds must ascend strictly, got {self.data[i]} after "
+                                 f"{self.data[i - 1]}")
 
     def __dealloc__(self):
         free(self.data)

@@ -50,6 +50,8 @@ memory and the miss is planned again.
 from __future__ import annotations
 
 import warnings
+from array import array
+from bisect import bisect_left, insort
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -92,26 +94,44 @@ class _Segment:
     address: int                    # the reservation; also the pool's segment handle and base
     reserved: int                   # bytes of address space
     stream: int
+    #: keep the mapping boundaries for the pool (not needed while every handle is one page:
+    #: the pool's page grid is then the same)
+    track_bounds: bool = False
     maps: dict[int, tuple[int, int]] = field(default_factory=dict)  # offset -> (handle, bytes)
     mapped: int = 0                 # bytes mapped (the sum over maps)
-    _bounds: list[int] | None = None
+    _ends: dict[int, int] = field(default_factory=dict)   # boundary -> mappings starting/ending there
+    _bounds: array = field(default_factory=lambda: array("Q"))   # its keys, ascending
 
     def add(self, offset: int, handle: int, nbytes: int) -> None:
         self.maps[offset] = (handle, nbytes)
         self.mapped += nbytes
-        self._bounds = None
+        if self.track_bounds:
+            self._bump(offset, 1)
+            self._bump(offset + nbytes, 1)
 
     def take(self, offset: int) -> tuple[int, int]:
         handle, nbytes = self.maps.pop(offset)
         self.mapped -= nbytes
-        self._bounds = None
+        if self.track_bounds:
+            self._bump(offset, -1)
+            self._bump(offset + nbytes, -1)
         return handle, nbytes
 
-    def bounds(self) -> list[int]:
-        """Where the mappings start and end, ascending: the pool moves and trims whole ones."""
-        if self._bounds is None:
-            self._bounds = sorted({o for off, (_, n) in self.maps.items() for o in (off, off + n)})
-        return self._bounds
+    def _bump(self, at: int, by: int) -> None:
+        count = self._ends.get(at, 0) + by
+        if count and at not in self._ends:
+            insort(self._bounds, at)
+        elif not count:
+            self._bounds.pop(bisect_left(self._bounds, at))
+        if count:
+            self._ends[at] = count
+        else:
+            del self._ends[at]
+
+    def bounds(self) -> array | None:
+        """Where the mappings start and end, ascending (None: every page is one); the pool
+        moves and trims whole mappings only."""
+        return self._bounds if self.track_bounds else None
 
     def mappings_in(self, offset: int, size: int) -> list[tuple[int, int]]:
         """``[(offset, bytes), ...]`` of the whole mappings that tile [offset, offset + size)."""
@@ -346,7 +366,7 @@ class ExpandableSegments:
             address = self._call(self._dev.vm_reserve, size)
         except DriverOutOfMemory:
             return None
-        seg = _Segment(address, size, stream)
+        seg = _Segment(address, size, stream, track_bounds=self.handle_size > self.page)
         created: list[tuple[int, int]] = []
         try:
             for n in self._handle_sizes(extra):

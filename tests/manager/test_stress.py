@@ -15,19 +15,22 @@ from stress_harness import run
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("capacity,fail_rate,cpu_fallback,expandable", [
-    ("768MiB", 0.0, False, None),         # room to spare: hits, splits, cross-stream reuse
-    ("512MiB", 0.1, True, None),          # driver faults, answered by the CPU fallback
-    ("160MiB", 0.0, False, None),         # near 100 % pressure: OOM errors under contention
-    ("512MiB", 0.1, True, True),          # expandable segments: holes, stitching, page faults
-    ("160MiB", 0.0, False, True),         # expandable segments under pressure
-], ids=["clean", "faults+fallback", "pressure", "expandable-faults", "expandable-pressure"])
-def test_eight_threads_one_manager(sim_device, capacity, fail_rate, cpu_fallback, expandable):
+@pytest.mark.parametrize("capacity,fail_rate,cpu_fallback,expandable,handle_size", [
+    ("768MiB", 0.0, False, None, 0),      # room to spare: hits, splits, cross-stream reuse
+    ("512MiB", 0.1, True, None, 0),       # driver faults, answered by the CPU fallback
+    ("160MiB", 0.0, False, None, 0),      # near 100 % pressure: OOM errors under contention
+    ("512MiB", 0.1, True, True, 0),       # expandable segments: holes, stitching, page faults
+    ("160MiB", 0.0, False, True, 0),      # expandable segments under pressure
+    ("512MiB", 0.1, True, True, 6 << 20),  # 3-page handles: whole-handle moves and trims
+], ids=["clean", "faults+fallback", "pressure", "expandable-faults", "expandable-pressure",
+        "expandable-handles"])
+def test_eight_threads_one_manager(sim_device, capacity, fail_rate, cpu_fallback, expandable,
+                                   handle_size):
     """None: expandable segments as GPUMEM_TEST_EXPANDABLE_SEGMENTS says (ci/test.sh runs the
-    suite both ways); True: always on. After the run every page handle, mapping and
-    reservation has gone back to the device."""
+    suite both ways); True: always on (with one page or 6 MiB per physical handle). After the
+    run every physical handle, mapping and reservation has gone back to the device."""
     res = run(ops=6000, seconds=8, workers=6, capacity=capacity, fail_rate=fail_rate,
-              cpu_fallback=cpu_fallback, seed=3, expandable=expandable)
+              cpu_fallback=cpu_fallback, seed=3, expandable=expandable, handle_size=handle_size)
     assert not res.failures, "\n".join(res.failures[:10])
     assert res.frees_checked > 1000
     if fail_rate:
