@@ -235,6 +235,10 @@ def test_c_threads_on_the_nogil_api_while_python_runs_the_cold_paths(harness, ma
     for s in streams:               # cached segments of both pools for both streams
         for b in [mm.malloc(n, stream=s) for n in SIZES for _ in range(4)]:
             b.free()
+    # one live block of each size on each stream keeps a cached segment of every kind through
+    # the loop's empty_cache() calls: the C threads cannot make segments, and without these a
+    # thread scheduled after the first empty_cache() found nothing but misses (flaky)
+    pins = [mm.malloc(n, stream=s) for s in streams for n in SIZES]
     before = mm.pool.counters()
     run = harness.start(mm.pool, 16, 4000, SIZES, streams)
     rounds = py_pairs = 0
@@ -267,6 +271,9 @@ def test_c_threads_on_the_nogil_api_while_python_runs_the_cold_paths(harness, ma
     assert after["num_allocs"] - before["num_allocs"] == allocs + py_pairs
     assert after["num_frees"] - before["num_frees"] == allocs + py_pairs
     assert rounds > 0
+    check(mm, pins)
+    for b in pins:
+        b.free()
     check(mm, [])
     mm.empty_cache()
     assert mm.pool.reserved_bytes == 0
