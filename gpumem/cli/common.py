@@ -95,12 +95,23 @@ def progress_for(n_events: int, flag: bool | None) -> bool:
 
 def replay_cfg(args: argparse.Namespace) -> Any:
     """The --config preset; --expandable-segments / --no-expandable-segments override its
-    expandable_segments (on by default where the device has virtual memory)."""
+    expandable_segments (on by default where the device has virtual memory) and
+    --expandable-handle-size its expandable_handle_size."""
     choice = getattr(args, "expandable_segments", None)
-    if choice is None:
+    handle = getattr(args, "expandable_handle_size", None)
+    if choice is None and handle is None:
         return args.config
     from gpumem.observe.replay import replay_config
-    return replay_config(args.config).replace(expandable_segments=bool(choice))
+    from gpumem.units import parse_size
+    changes: dict[str, Any] = {}
+    if choice is not None:
+        changes["expandable_segments"] = bool(choice)
+    if handle is not None:
+        try:
+            changes["expandable_handle_size"] = parse_size(handle, what="--expandable-handle-size")
+        except ValueError as exc:
+            raise CliError(str(exc), EXIT_USAGE) from None
+    return replay_config(args.config).replace(**changes)
 
 
 def write_json(obj: Any, dest: str) -> None:

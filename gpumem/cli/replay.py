@@ -79,6 +79,9 @@ def replay_flags(s: argparse.ArgumentParser) -> None:
     s.add_argument("--expandable-segments", action=argparse.BooleanOptionalAction, default=None,
                    help="grow large-pool segments in place (on by default on devices with "
                         "virtual memory; --no-expandable-segments: plain segments)")
+    s.add_argument("--expandable-handle-size", metavar="SIZE",
+                   help="largest physical handle of an expandable segment, e.g. 20MiB (default: "
+                        "one page; larger: fewer driver calls, less tight)")
 
 
 def register(sub: argparse._SubParsersAction) -> None:

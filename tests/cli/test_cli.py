@@ -117,6 +117,22 @@ def test_replay_expandable_segments_default_and_off(capsys, tmp_path):
     assert d[""]["segments_created"] < d["--no-expandable-segments"]["segments_created"]
 
 
+def test_replay_expandable_handle_size(capsys, tmp_path):
+    """Level real (sim): --expandable-handle-size 20MiB replays with 20 MiB physical handles
+    (fewer driver calls than one page each, on the same trace); a size that does not parse is
+    a usage error naming the flag (exit 2, one line)."""
+    d = {}
+    for flag in ([], ["--expandable-handle-size", "20MiB"]):
+        out = tmp_path / f"r{len(d)}.json"
+        code, _, err = run(capsys, "replay", "demo", "--device", "sim:80GiB", "--json", str(out),
+                           *flag)
+        assert code == 0, err
+        d[len(d)] = json.loads(out.read_text())
+    assert d[1]["driver_calls"] < d[0]["driver_calls"]
+    code, _, err = run(capsys, "replay", "demo", "--expandable-handle-size", "lots")
+    assert code == 2 and "--expandable-handle-size" in _one_error_line(err)
+
+
 def test_replay_too_small_device_exits_2(capsys):
     code, out, err = run(capsys, "replay", str(DEMO_TRACE), "--device", "sim:256MiB")
     assert code == 2
