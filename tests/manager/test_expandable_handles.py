@@ -66,6 +66,24 @@ def test_only_wholly_free_handles_go_back_to_the_device(vm):
     check(mm, [guard])
 
 
+@pytest.mark.handle_size(8 * MiB)
+def test_a_budgeted_trim_returns_whole_handles_from_the_top(vm):
+    """shrink() asked to free 4 MiB of a freed 24 MiB block (three 8 MiB handles) returns one
+    whole handle, the highest (8 MiB: a handle cannot go back in part), and the two below stay
+    cached as one free block."""
+    mm = vm.mm
+    a = mm.malloc(24 * MiB)
+    guard = mm.malloc(8 * MiB)
+    kept = [(guard, fill(guard, 4))]
+    a.free()
+    assert mm.shrink(20 * MiB) == 8 * MiB
+    assert vm.physical == 24 * MiB == mm.pool.reserved_bytes
+    assert layout(mm) == [(0, 16 * MiB, "free"), (16 * MiB, 8 * MiB, "unmapped"),
+                          (24 * MiB, 8 * MiB, "allocated")]
+    intact(kept)
+    check(mm, [guard])
+
+
 def _two_free_runs(mm):
     """16 MiB free (two handles) at 0, a live 4 MiB, 16 MiB free at 20 MiB, a live 4 MiB."""
     a, s1, b, s2 = (mm.malloc(n * MiB) for n in (16, 4, 16, 4))
