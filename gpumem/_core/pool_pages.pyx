@@ -7,8 +7,9 @@ block whose pages are unmapped has ``heap_index == GM_UNMAPPED``: it is in no he
 not counted as reserved (``reserved = size - unmapped`` per segment) and merges only with
 unmapped neighbours; a free block never merges across it. Three operations change it:
 
-- ``carve_free_pages``: the whole pages inside free blocks become unmapped blocks (the caller
-  then unmaps them: after a trim they go back to the driver, after a stitch they move);
+- ``carve_free_pages``: the whole mappings (physical handles; by default one page each)
+  inside free blocks become unmapped blocks (the caller then unmaps them: after a trim they
+  go back to the driver, after a stitch they move);
 - ``fill_unmapped``: an unmapped range (or a range just past the segment's end) becomes a free
   block of a stream's heap, merged with its free neighbours (the caller has mapped it);
 - ``plan_fill``: where mapping the fewest pages lets a request fit (into a hole between free
