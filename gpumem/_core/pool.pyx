@@ -251,14 +251,14 @@ cdef int gm_free_gil(gm_pool* p, gm_block* b, uint64_t serial) noexcept:
 @cython.final
 @cython.final
 cdef class _Bounds:
-    """An ascending sequence of mapping boundaries (an ``array('Q')``, or any sequence of ints)
-    copied into a C array (NULL for None) before the pool's lock is taken: nothing Python is
-    touched while it is held. The copy of an array is a C loop."""
-    cdef size_t* data
+    """An ascending sequence of mapping boundaries (an ``array('Q')``, or any sequence of ints,
+    copied into one) seen as a C array (NULL for None) while the pool's lock is held: the view
+    is taken and checked before, so nothing Python is touched under the lock."""
+    cdef const unsigned long long[::1] view
+    cdef const unsigned long long* data
     cdef size_t n
 
     def __cinit__(self, bounds):
-        cdef const unsigned long long[::1] mv
         cdef size_t i
         self.data = NULL
         self.n = 0
@@ -269,19 +269,14 @@ cdef class _Bounds:
                 bounds = array("Q", bounds)
             except (OverflowError, TypeError) as exc:
                 raise ValueError(f"bounds must be offsets >= 0, got {bounds!r}") from exc
-        mv = bounds
-        self.n = mv.shape[0]
-        self.data = <size_t*>calloc(self.n + 1, sizeof(size_t))
-        if self.data == NULL:
-            raise MemoryError("cannot copy the mapping boundaries")
-        for i in range(self.n):
-            self.data[i] = <size_t>mv[i]
-            if i and self.data[i] <= self.data[i - 1]:
+        self.view = bounds
+        self.n = self.view.shape[0]
+        if self.n:
+            self.data = &self.view[0]
+        for i in range(1, self.n):
+            if self.data[i] <= self.data[i - 1]:
                 raise ValueError(f"bounds must ascend strictly, got {self.data[i]} after "
                                  f"{self.data[i - 1]}")
-
-    def __dealloc__(self):
-        free(self.data)
 
 
 cdef class CachingPool:

@@ -118,7 +118,7 @@ cdef void _drop_unmapped_tail(gm_pool* p, gm_segment* seg) noexcept nogil:
     _drop_block(p, last)
 
 
-cdef inline size_t _unit_at_or_above(const size_t* bd, size_t nb, size_t page,
+cdef inline size_t _unit_at_or_above(const unsigned long long* bd, size_t nb, size_t page,
                                      size_t x) noexcept nogil:
     """The smallest mapping boundary >= x (SIZE_MAX if none); every page when bd is NULL."""
     cdef size_t lo = 0, hi = nb, mid
@@ -130,10 +130,10 @@ cdef inline size_t _unit_at_or_above(const size_t* bd, size_t nb, size_t page,
             lo = mid + 1
         else:
             hi = mid
-    return bd[lo] if lo < nb else SIZE_MAX
+    return <size_t>bd[lo] if lo < nb else SIZE_MAX
 
 
-cdef inline size_t _unit_at_or_below(const size_t* bd, size_t nb, size_t page,
+cdef inline size_t _unit_at_or_below(const unsigned long long* bd, size_t nb, size_t page,
                                      size_t x) noexcept nogil:
     """The largest mapping boundary <= x (SIZE_MAX if none); every page when bd is NULL."""
     cdef size_t lo = 0, hi = nb, mid
@@ -145,10 +145,10 @@ cdef inline size_t _unit_at_or_below(const size_t* bd, size_t nb, size_t page,
             lo = mid + 1
         else:
             hi = mid
-    return bd[lo - 1] if lo > 0 else SIZE_MAX
+    return <size_t>bd[lo - 1] if lo > 0 else SIZE_MAX
 
 
-cdef list carve_free_pages(gm_pool* p, uint64_t handle, size_t page, const size_t* bd,
+cdef list carve_free_pages(gm_pool* p, uint64_t handle, size_t page, const unsigned long long* bd,
                            size_t nb, size_t max_bytes, int any_stream, uint64_t stream,
                            size_t keep_lo, size_t keep_hi, size_t min_offset, double ratio,
                            bint overshoot):
@@ -388,7 +388,7 @@ cdef tuple plan_fill(gm_pool* p, uint64_t handle, uint64_t stream, size_t nbytes
     return (at, best, klo, khi, at_end)
 
 
-cdef size_t free_page_bytes(gm_pool* p, uint64_t handle, size_t page, const size_t* bd,
+cdef size_t free_page_bytes(gm_pool* p, uint64_t handle, size_t page, const unsigned long long* bd,
                             size_t nb) except? 0:
     """Bytes of whole mappings (``bd`` as in carve_free_pages) inside the free blocks of
     segment ``handle`` (what a trim could unmap now)."""

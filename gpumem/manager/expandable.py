@@ -197,7 +197,7 @@ class ExpandableSegments:
 
     def mappings(self, handle: int) -> list[tuple[int, int]]:
         """``[(offset, bytes), ...]`` of segment ``handle``'s mappings, one per physical handle
-        (tests, snapshots)."""
+        (tests)."""
         with self._mm.lock:
             return sorted((off, n) for off, (_, n) in self._segments[handle].maps.items())
 
