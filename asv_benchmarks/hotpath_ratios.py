@@ -16,7 +16,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -62,19 +62,16 @@ def multi(repeats: int) -> None:
     single, mm = sim_manager(), sim_manager()
     placed = MultiDeviceManager([mm])
 
-    def one(k: int = 1000) -> float:
-        malloc, free = single.malloc, single.free
-        t = _clock()
-        for _ in range(k):
-            free(malloc(4096))
-        return (_clock() - t) / k
+    def pairs(alloc: Callable[[int], Any], free: Callable[[Any], Any]) -> Callable[..., float]:
+        def sample(k: int = 1000) -> float:
+            t = _clock()
+            for _ in range(k):
+                free(alloc(4096))
+            return (_clock() - t) / k
+        return sample
 
-    def many(k: int = 1000) -> float:
-        alloc, free = placed.allocate_on_best_device, placed.free
-        t = _clock()
-        for _ in range(k):
-            free(alloc(4096))
-        return (_clock() - t) / k
+    one = pairs(single.malloc, single.free)
+    many = pairs(placed.allocate_on_best_device, placed.free)
 
     for _ in range(50):
         one(); many()
