@@ -157,24 +157,23 @@ cdef class Run:
     def running(self):
         return gmt_load(self.flag)
 
-    def join(self):
+    cdef void _join_threads(self):
         cdef int i
         if not self.joined:
             with nogil:
                 for i in range(self.started):
                     pthread_join(self.threads[i], NULL)
             self.joined = True
+
+    def join(self):
+        self._join_threads()
         return [dict(allocs=self.workers[i].allocs, frees=self.workers[i].frees,
                      misses=self.workers[i].misses, other_codes=self.workers[i].other_codes,
                      bad_frees=self.workers[i].bad_frees, corrupt=self.workers[i].corrupt)
                 for i in range(self.started)]
 
     def __dealloc__(self):
-        cdef int i
-        if not self.joined:
-            with nogil:
-                for i in range(self.started):
-                    pthread_join(self.threads[i], NULL)
+        self._join_threads()
         free(self.workers)
         free(self.threads)
         free(self.flag)
