@@ -201,6 +201,10 @@ class CudaDevice(CudaVirtualMemory, Device):
         self._ctx_int = int(self._ctx)
         self._segments: dict[int, int] = {}      # device pointer -> nbytes
         self._streams: dict[int, Any] = {}       # CUstream value -> CUstream
+        # handles destroyed through destroy_stream and not handed out again by create_stream:
+        # never passed to the driver, for which a destroyed CUstream is undefined behaviour
+        # (a real driver can crash on cuStreamQuery of one; GPU run of 2026-11-27)
+        self._destroyed_streams: set[int] = set()
         self._events: dict[int, Any] = {}        # CUevent value -> CUevent
         self._closed = False
         self._released = [False]                 # set when the primary context is released
@@ -336,6 +340,10 @@ class CudaDevice(CudaVirtualMemory, Device):
     def _stream_obj(self, stream: int) -> Any:
         with self._lock:
             s = self._streams.get(stream)
+            if s is None and stream in self._destroyed_streams:
+                raise InvalidInputError(
+                    f"{self.device_string}: stream {stream} was destroyed (destroy_stream); "
+                    f"its handle is not passed to the driver again")
         # Foreign streams (CuPy, PyTorch) are accepted by value; 0 is the legacy default stream.
         return s if s is not None else self._drv.CUstream(stream)
 
@@ -386,11 +394,14 @@ class CudaDevice(CudaVirtualMemory, Device):
         sid = int(s)
         with self._lock:
             self._streams[sid] = s
+            self._destroyed_streams.discard(sid)    # the driver reused the handle
         return sid
 
     def destroy_stream(self, stream: int) -> None:
         with self._lock:
             s = self._streams.pop(stream, None)
+            if s is not None:
+                self._destroyed_streams.add(stream)
         if s is None:
             raise InvalidInputError(
                 f"{self.device_string}: stream {stream!r} was not created by this device")

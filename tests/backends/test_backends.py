@@ -809,6 +809,55 @@ def test_cuda_fake_stream_not_ready():
     dev.close()
 
 
+class _StaleStreamDriver(FakeDriver):
+    """A driver on which a destroyed CUstream is undefined behaviour, as on a real one (the GPU
+    run of 2026-11-27 crashed a worker on cuStreamQuery of one): any use fails the test."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.destroyed: set[int] = set()
+
+    def cuStreamDestroy(self, s):
+        self.destroyed.add(int(s))
+        return super().cuStreamDestroy(s)
+
+    def cuStreamCreate(self, flags):
+        res = super().cuStreamCreate(flags)
+        self.destroyed.discard(int(res[1]))
+        return res
+
+    def _stream_ok(self, s):
+        assert int(s) not in self.destroyed, f"destroyed stream {int(s):#x} reached the driver"
+        return super()._stream_ok(s)
+
+
+def test_cuda_destroyed_stream_never_reaches_the_driver(make_manager):
+    """Level: fake driver. After destroy_stream, every use of the handle (query, event, copy,
+    and a manager's malloc on it) is refused with InvalidInputError by the device itself; when
+    the driver hands the same handle to a new stream of this device, it is usable again."""
+    drv = _StaleStreamDriver()
+    dev = cuda_mod.CudaBackend(driver=drv).open(0)
+    mm = make_manager(dev, reserve_bytes=0)
+    s = dev.create_stream()
+    mm.malloc(MiB, stream=s).free()
+    dev.destroy_stream(s)
+    for use in (lambda: dev.stream_idle(s), lambda: dev.record_event(s),
+                lambda: dev.memset(mm.pool.segments()[0]["handle"], 0, 0, 16, stream=s),
+                lambda: mm.malloc(1024, stream=s)):
+        with pytest.raises(InvalidInputError, match="destroyed"):
+            use()
+    mm.malloc(3 * MiB).free()                      # the dead stream's cache goes to stream 0
+    check(mm, [])
+    drv._next_stream = s - 0x40                    # the driver reuses the handle
+    assert dev.create_stream() == s
+    assert dev.stream_idle(s) is True
+    mm.malloc(1024, stream=s).free()
+    check(mm, [])
+    dev.destroy_stream(s)
+    mm.close()
+    dev.close()
+
+
 def test_cuda_refused_free_keeps_the_segment(make_manager):
     """A cuMemFree the driver refuses (a destroyed context, a sticky error) raises a DriverError
     naming the code; the device still knows the segment, the manager keeps it cached, and a
