@@ -22,10 +22,10 @@ import pytest
 
 from gpumem import MemoryConfig, MemoryManager
 from gpumem.backends import open_device
-from gpumem.errors import InvalidInputError
+from gpumem.errors import DriverError, InvalidInputError
 from gpumem.integrations import torch as gm_torch
 from forked import wait_for_child
-from invariants import EXACT, backend_device, check, selected_backends
+from invariants import EXACT, backend_device, check, real_cuda_driver, selected_backends
 
 MiB = 1 << 20
 DEV = 0                        # the torch device index the tests bind
@@ -366,14 +366,20 @@ FORK_HAMMER_C = textwrap.dedent("""
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
-def test_fork_while_a_thread_allocates_without_the_gil(make_bound, lib, tmp_path):
+def test_fork_while_a_thread_allocates_without_the_gil(make_bound, lib, tmp_path,
+                                                       torch_backend):
     """fork() while another thread is inside the pool (ctypes drops the GIL around the C loop,
     as torch's own threads call the allocator): the child must find every C lock free — the
     pool's, its front caches', the torch table's — or its first empty_cache or allocation
     spins forever on a lock whose holder does not exist there. 40 forks; each child empties
     the cache, allocates through Python and through the torch entry points, checks the pool's
     invariants and exits 0 within 20 s. Before the fork hooks took the locks, some children
-    hung (their parent saw the timeout)."""
+    hung (their parent saw the timeout). On a real NVIDIA driver a forked child cannot use the
+    parent's CUDA state (the driver's rule; GPU run of 2026-11-27: every child failed there), so
+    the calls that reach the driver may fail with a DriverError (a NULL from the torch entry
+    point), but the pool's invariants must hold before and after, and nothing may hang."""
+    real = real_cuda_driver(torch_backend)
+    errors = tmp_path / "child-errors"
     gcc = shutil.which("gcc")
     if gcc is None:
         pytest.skip("gcc is not on PATH")
@@ -401,12 +407,23 @@ def test_fork_while_a_thread_allocates_without_the_gil(make_bound, lib, tmp_path
             if pid == 0:                        # child: its exit code says whether it worked
                 code = 1
                 try:
-                    mm.empty_cache()
-                    mm.malloc(3 * MiB).free()
-                    p = lib.gpumem_torch_alloc(MiB, DEV, None)
-                    lib.gpumem_torch_free(p, MiB, DEV, None)
-                    mm.pool.check_invariants()
-                    code = 0 if p else 2
+                    mm.pool.check_invariants()      # the pool's lock is free
+                    try:
+                        mm.empty_cache()
+                        mm.malloc(3 * MiB).free()
+                        p = lib.gpumem_torch_alloc(MiB, DEV, None)
+                        if p:
+                            lib.gpumem_torch_free(p, MiB, DEV, None)
+                        result = 0 if p or real else 2
+                    except DriverError:
+                        if not real:
+                            raise
+                        result = 0
+                    mm.pool.check_invariants()      # a driver refusal left the pool whole
+                    code = result
+                except BaseException as exc:        # the parent's assertion shows why
+                    with open(errors, "a") as f:
+                        f.write(f"{type(exc).__name__}: {exc}\n")
                 finally:
                     os._exit(code)
             code = wait_for_child(pid, 20)
@@ -417,6 +434,7 @@ def test_fork_while_a_thread_allocates_without_the_gil(make_bound, lib, tmp_path
     finally:
         stop.value = 1
         t.join(30)
-    assert hung == 0 and failed == 0, f"{hung} child(ren) hung, {failed} failed"
+    why = errors.read_text()[:2000] if errors.exists() else ""
+    assert hung == 0 and failed == 0, f"{hung} child(ren) hung, {failed} failed: {why}"
     assert mm.stats().in_use_bytes == 0
     check(mm)
