@@ -11,6 +11,12 @@
 #   ALLOW_NO_CUDA=1              run anyway when the CUDA backend reports itself unavailable
 #   GPUMEM_FRAMEWORK_EXTRAS="numba cupy torch"   frameworks installed for gpumem.integrations
 #   RMM_PACKAGE=rmm-cu12         RAPIDS RMM wheel for the seed table (rmm-cu13 on CUDA 13)
+#   GPUMEM_OFFLINE=1             the machine reaches no package index (a lent, pre-provisioned
+#                                GPU machine): install nothing, use what $PYTHON has
+#   VENV=none                    install gpumem into $PYTHON's own environment (no new venv)
+#   STEP_TIMEOUT=300             stop any one step (a pytest pass, a benchmark) after N seconds
+#   QUICK=1                      the benchmarks' --quick (fewer, shorter repeats)
+#   PYTEST_ARGS="..."            more pytest arguments (e.g. --timeout=120)
 #
 # Exit status: non-zero if the tests fail (or CUDA is unavailable without ALLOW_NO_CUDA=1).
 # The benchmark comparison is informative only; its failure is reported, not fatal.
@@ -27,6 +33,13 @@ REPORT_DIR="${REPORT_DIR:-$ROOT/ci-reports}"
 mkdir -p "$REPORT_DIR"
 
 log() { printf '\n=== %s ===\n' "$*"; }
+# one step, stopped after STEP_TIMEOUT seconds when that is set (exit 124 then)
+step() {
+    if [ -n "${STEP_TIMEOUT:-}" ]; then timeout -s INT --kill-after=20 "$STEP_TIMEOUT" "$@"; else "$@"; fi
+}
+QUICK_ARG=()
+[ "${QUICK:-0}" = 1 ] && QUICK_ARG=(--quick)
+read -r -a EXTRA_PYTEST <<< "${PYTEST_ARGS:-}"
 
 # --- 1. GPU present? ------------------------------------------------------------------------
 log "GPU"
@@ -47,6 +60,11 @@ python -c "import cuda.bindings, sys; print('cuda-bindings', cuda.bindings.__ver
 # The frameworks gpumem plugs into (gpumem.integrations), each on its own so that one that
 # cannot be installed here only skips its own tests and checks.
 for extra in ${GPUMEM_FRAMEWORK_EXTRAS:-numba cupy torch}; do
+    if [ "${GPUMEM_OFFLINE:-0}" = 1 ]; then
+        python -c "import $extra; print('$extra', $extra.__version__, '(preinstalled)')" \
+            || echo "'$extra' is not installed here (offline): its tests and checks skip"
+        continue
+    fi
     constraint=()
     [ -f "$VENV/cuda-constraint.txt" ] && constraint=(-c "$VENV/cuda-constraint.txt")
     if python -m pip install -q "${constraint[@]}" ".[$extra]" > "$REPORT_DIR/pip-$extra.log" 2>&1; then
@@ -57,7 +75,10 @@ for extra in ${GPUMEM_FRAMEWORK_EXTRAS:-numba cupy torch}; do
 done
 
 # RAPIDS RMM, a peer of the seed table (asv_benchmarks/seed_table.py); best effort as above
-if python -m pip install -q "${RMM_PACKAGE:-rmm-cu12}" > "$REPORT_DIR/pip-rmm.log" 2>&1; then
+if [ "${GPUMEM_OFFLINE:-0}" = 1 ]; then
+    python -c "import rmm; print('rmm', rmm.__version__, '(preinstalled)')" \
+        || echo "rmm is not installed here (offline): its seed-table rows are skipped"
+elif python -m pip install -q "${RMM_PACKAGE:-rmm-cu12}" > "$REPORT_DIR/pip-rmm.log" 2>&1; then
     echo "installed ${RMM_PACKAGE:-rmm-cu12}"
 else
     echo "could not install ${RMM_PACKAGE:-rmm-cu12} (see $REPORT_DIR/pip-rmm.log): its seed-table rows are skipped"
@@ -94,24 +115,28 @@ fi
 log "pytest (GPUMEM_TEST_BACKENDS=$BACKENDS, $WORKERS workers)"
 JUNIT="$REPORT_DIR/pytest-gpu.xml"
 test_rc=0
-GPUMEM_TEST_BACKENDS="$BACKENDS" python -m pytest -n "$WORKERS" tests \
-    --junitxml="$JUNIT" || test_rc=$?
+# expandable segments are on by default where the device has virtual memory (cuMem* on cuda)
+GPUMEM_TEST_BACKENDS="$BACKENDS" step python -m pytest -n "$WORKERS" tests \
+    --junitxml="$JUNIT" "${EXTRA_PYTEST[@]}" || test_rc=$?
 
-log "pytest on cuda again with expandable segments on (cuMem* virtual memory, holes, stitching)"
-GPUMEM_TEST_EXPANDABLE_SEGMENTS=1 GPUMEM_TEST_BACKENDS=cuda python -m pytest -n "$WORKERS" tests \
-    --junitxml="$REPORT_DIR/pytest-gpu-expandable.xml" || test_rc=$?
+log "pytest on cuda again with expandable segments off (cuMemAlloc segments)"
+GPUMEM_TEST_EXPANDABLE_SEGMENTS=0 GPUMEM_EXPANDABLE_SEGMENTS=0 GPUMEM_TEST_BACKENDS=cuda \
+    step python -m pytest -n "$WORKERS" tests --junitxml="$REPORT_DIR/pytest-gpu-plain.xml" \
+    "${EXTRA_PYTEST[@]}" || test_rc=$?
 
-log "the shared traces replayed on the GPU, expandable segments off and on (ratio, events/s)"
+log "the shared traces replayed on the GPU, expandable segments on and off (ratio, events/s)"
 for trace in gpumem/data/traces/*.csv.gz; do
-    python -m gpumem replay "$trace" --device cuda:0 --no-progress || true
-    python -m gpumem replay "$trace" --device cuda:0 --no-progress --expandable-segments || true
+    step python -m gpumem replay "$trace" --device cuda:0 --no-progress || true
+    step python -m gpumem replay "$trace" --device cuda:0 --no-progress \
+        --no-expandable-segments || true
 done
 
 # --- 5. benchmark comparison ------------------------------------------------------------------
 log "benchmark comparison (cuda)"
 bench_status="skipped"
 if [[ -f asv_benchmarks/compare.py ]]; then
-    if python asv_benchmarks/compare.py --backend cuda; then
+    if step python asv_benchmarks/compare.py --backend cuda "${QUICK_ARG[@]}" \
+            --json "$REPORT_DIR/compare-cuda.json"; then
         bench_status="ok"
     else
         bench_status="failed (exit $?)"
@@ -123,15 +148,15 @@ fi
 
 log "the seed table: five scenarios vs torch, CuPy, RMM and cuMemAlloc per allocation"
 seed_status="ok"
-python asv_benchmarks/compare.py --backend cuda --seed-table \
+step python asv_benchmarks/compare.py --backend cuda --seed-table "${QUICK_ARG[@]}" \
     --json "$REPORT_DIR/seed-table-cuda.json" || seed_status="failed (exit $?)"
 
 log "CUDA call cost: gpumem's Cython module vs cuda.bindings.driver"
-python asv_benchmarks/cuda_calls.py || echo "cuda_calls.py failed (exit $?)"
+step python asv_benchmarks/cuda_calls.py || echo "cuda_calls.py failed (exit $?)"
 
 log "CuPy, Numba, PyTorch through gpumem: real work, hit latency against their own pools"
 frameworks_status="ok"
-python asv_benchmarks/frameworks_gpu.py || frameworks_status="failed (exit $?)"
+step python asv_benchmarks/frameworks_gpu.py || frameworks_status="failed (exit $?)"
 
 # --- 6. summary -------------------------------------------------------------------------------
 log "summary"

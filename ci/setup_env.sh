@@ -8,25 +8,41 @@ set -euo pipefail
 EXTRAS="${1:-}"
 PYTHON="${PYTHON:-python3}"
 VENV="${GPUMEM_VENV:-.venv}"
-if [ ! -x "$VENV/bin/python" ]; then
-    "$PYTHON" -m venv "$VENV"
+# GPUMEM_OFFLINE=1: a machine that reaches no package index but has everything installed (a lent
+# GPU machine's image): nothing is downloaded, gpumem is installed into $PYTHON's own
+# environment (GPUMEM_VENV=none) or a venv, with no dependency resolution.
+OFFLINE="${GPUMEM_OFFLINE:-0}"
+if [ "$VENV" = none ]; then
+    # `python` names $PYTHON from here on (a wrapper, not a link: a venv's interpreter finds its
+    # environment from the path it was started by)
+    shim="$(mktemp -d)"
+    printf '#!/bin/sh\nexec %q "$@"\n' "$(command -v "$PYTHON")" > "$shim/python"
+    chmod +x "$shim/python"
+    export PATH="$shim:$PATH"
+else
+    if [ ! -x "$VENV/bin/python" ]; then
+        "$PYTHON" -m venv "$VENV"
+    fi
+    # shellcheck disable=SC1091
+    . "$VENV/bin/activate"
 fi
-# shellcheck disable=SC1091
-. "$VENV/bin/activate"
 # pip itself fails loudly (set -o pipefail); only this machine's notes about absent local
 # package folders are dropped
 pip_install() {
-    python -m pip install -q "$@" 2>&1 | { grep -v "^WARNING: Location '.*' is ignored" || true; }
+    local offline=()
+    [ "$OFFLINE" = 1 ] && offline=(--no-index --no-deps)
+    python -m pip install -q "${offline[@]}" "$@" 2>&1 \
+        | { grep -v "^WARNING: Location '.*' is ignored" || true; }
 }
 # the build runs in this venv (--no-build-isolation below), so its requirements come first
-pip_install --upgrade pip "setuptools>=77" wheel "Cython>=3.0" numpy
+[ "$OFFLINE" = 1 ] || pip_install --upgrade pip "setuptools>=77" wheel "Cython>=3.0" numpy
 # cuda-bindings must suit the installed NVIDIA driver (13.x needs a CUDA 13 driver), and gpumem's
 # CUDA fast path compiles cuda-python's .pxd files against the CUDA headers found here, which
 # must be of the same release. Pin cuda-bindings to the headers' version when the driver (if
 # any) can run it; else to the driver's major version (the fast path is then skipped and the
 # Python-level cuda.bindings.driver is used).
 CONSTRAINTS=()
-if [[ ",$EXTRAS," == *",cuda,"* ]]; then
+if [[ ",$EXTRAS," == *",cuda,"* && "$OFFLINE" != 1 ]]; then
     CUDA_H="${CUDA_HOME:-${CUDA_PATH:-/usr/local/cuda}}/include/cuda.h"
     hv=""
     [ -f "$CUDA_H" ] && hv=$(sed -n 's/^#define CUDA_VERSION \([0-9]*\).*/\1/p' "$CUDA_H")
@@ -48,7 +64,7 @@ if [[ ",$EXTRAS," == *",cuda,"* ]]; then
         echo "cuda-python constrained: $pin (headers: ${hv:-none}, driver CUDA: ${dv:-none})"
     fi
 fi
-if [[ ",$EXTRAS," == *",cuda,"* ]]; then
+if [[ ",$EXTRAS," == *",cuda,"* && "$OFFLINE" != 1 ]]; then
     # before gpumem's build: its CUDA fast path compiles against cuda-python's .pxd files
     pip_install "${CONSTRAINTS[@]}" "cuda-python>=12"
 fi

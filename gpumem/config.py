@@ -30,6 +30,7 @@ OTHER_VARIABLES = frozenset({
     "GPUMEM_BUILD_CUDA",        # setup.py
     "GPUMEM_TRACES",            # benchmarks
     "GPUMEM_VENV",              # ci scripts
+    "GPUMEM_OFFLINE",           # ci/setup_env.sh: install nothing (a pre-provisioned machine)
     "GPUMEM_CBENCH_DIR",        # benchmarks
     "GPUMEM_DEVICE",            # the default device (gpumem.default_device, get_manager)
     "GPUMEM_DUMP_ON_OOM",       # history and snapshot dumps on OOM (gpumem.observe.history)
