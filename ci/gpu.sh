@@ -154,6 +154,10 @@ step python asv_benchmarks/compare.py --backend cuda --seed-table "${QUICK_ARG[@
 log "CUDA call cost: gpumem's Cython module vs cuda.bindings.driver"
 step python asv_benchmarks/cuda_calls.py || echo "cuda_calls.py failed (exit $?)"
 
+log "driver call costs against the sim's model; traces replayed on the card and priced on sim"
+step python asv_benchmarks/driver_costs_gpu.py --json "$REPORT_DIR/driver-costs.json" \
+    || echo "driver_costs_gpu.py failed (exit $?)"
+
 log "CuPy, Numba, PyTorch through gpumem: real work, hit latency against their own pools"
 frameworks_status="ok"
 step python asv_benchmarks/frameworks_gpu.py || frameworks_status="failed (exit $?)"

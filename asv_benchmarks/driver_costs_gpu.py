@@ -1,0 +1,225 @@
+"""The CUDA driver cost model (gpumem_sim.CUDA_DRIVER_COSTS) against the real driver, on a GPU.
+
+    python asv_benchmarks/driver_costs_gpu.py [--json out.json] [--repeats 40]
+
+1. Each priced call timed on the GPU through cuda.bindings.driver (median of ``--repeats``;
+   the binding adds well under a microsecond), beside the model's figure for the same size.
+2. The shipped and synthetic traces replayed on ``cuda:0`` and on ``sim:80GiB`` with expandable
+   segments (2 MiB and 20 MiB handles) and plain segments: real replay seconds on the GPU beside
+   the modeled driver seconds plus the sim's own replay time, so the model's verdict (expandable
+   vs plain) can be checked against the card's.
+Prints two tables; exits 1 when no usable GPU is found.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # this checkout's gpumem
+
+MiB = 1 << 20
+
+
+def _ok(res: Any, what: str) -> Any:
+    from cuda.bindings import driver as drv
+    err = res[0] if isinstance(res, tuple) else res
+    if err != drv.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"{what}: {err}")
+    return res[1] if isinstance(res, tuple) and len(res) == 2 else None
+
+
+def _median_us(setup: Callable[[], Any], timed: Callable[[Any], Any],
+               teardown: Callable[[Any], None], repeats: int) -> float:
+    """Median microseconds of ``timed(setup())``; teardown is not timed."""
+    samples = []
+    for _ in range(repeats):
+        state = setup()
+        t0 = time.perf_counter_ns()
+        out = timed(state)
+        samples.append((time.perf_counter_ns() - t0) / 1e3)
+        teardown(out if out is not None else state)
+    return statistics.median(samples)
+
+
+def measure_calls(repeats: int) -> list[dict]:
+    from cuda.bindings import driver as drv
+
+    from gpumem_sim.driver_costs import CUDA_DRIVER_COSTS
+    _ok(drv.cuInit(0), "cuInit")
+    dev = _ok(drv.cuDeviceGet(0), "cuDeviceGet")
+    ctx = _ok(drv.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
+    _ok(drv.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+    prop = drv.CUmemAllocationProp()
+    prop.type = drv.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+    prop.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    prop.location.id = 0
+    access = drv.CUmemAccessDesc()
+    access.location = prop.location
+    access.flags = drv.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+    nothing = (lambda: None)
+    rows: list[dict] = []
+
+    def model_us(key: str, nbytes: int = 0) -> float:
+        fixed, per_byte = CUDA_DRIVER_COSTS[key]
+        return (fixed + per_byte * nbytes) * 1e6
+
+    def add(call: str, key: str, nbytes: int, us: float, model: float | None = None) -> None:
+        m = model_us(key, nbytes) if model is None else model
+        rows.append({"call": call, "model_key": key, "bytes": nbytes, "measured_us": us,
+                     "model_us": m})
+
+    for n in (2 * MiB, 20 * MiB, 64 * MiB, 256 * MiB):
+        us = _median_us(nothing, lambda _: _ok(drv.cuMemAlloc(n), "cuMemAlloc"),
+                        lambda p: drv.cuMemFree(p), repeats)
+        add(f"cuMemAlloc {n // MiB} MiB", "segment_alloc", n, us)
+        us = _median_us(lambda: _ok(drv.cuMemAlloc(n), "cuMemAlloc"),
+                        lambda p: _ok(drv.cuMemFree(p), "cuMemFree"), lambda p: None, repeats)
+        add(f"cuMemFree {n // MiB} MiB", "segment_free", n, us)
+    va_size = 1 << 30
+    us = _median_us(nothing, lambda _: _ok(drv.cuMemAddressReserve(va_size, 0, 0, 0),
+                                           "cuMemAddressReserve"),
+                    lambda a: drv.cuMemAddressFree(a, va_size), repeats)
+    add("cuMemAddressReserve 1 GiB", "vm_reserve", va_size, us)
+    us = _median_us(lambda: _ok(drv.cuMemAddressReserve(va_size, 0, 0, 0), "reserve"),
+                    lambda a: _ok(drv.cuMemAddressFree(a, va_size), "cuMemAddressFree"),
+                    lambda a: None, repeats)
+    add("cuMemAddressFree 1 GiB", "vm_free", va_size, us)
+    va = int(_ok(drv.cuMemAddressReserve(va_size, 0, 0, 0), "cuMemAddressReserve"))
+    for n in (2 * MiB, 20 * MiB, 64 * MiB):
+        us = _median_us(nothing, lambda _: _ok(drv.cuMemCreate(n, prop, 0), "cuMemCreate"),
+                        lambda h: drv.cuMemRelease(h), repeats)
+        add(f"cuMemCreate {n // MiB} MiB", "vm_create", n, us)
+        us = _median_us(lambda: _ok(drv.cuMemCreate(n, prop, 0), "cuMemCreate"),
+                        lambda h: _ok(drv.cuMemRelease(h), "cuMemRelease"), lambda h: None,
+                        repeats)
+        add(f"cuMemRelease {n // MiB} MiB", "vm_release", n, us)
+        h = _ok(drv.cuMemCreate(n, prop, 0), "cuMemCreate")
+        us = _median_us(nothing, lambda _: _ok(drv.cuMemMap(va, n, 0, h, 0), "cuMemMap"),
+                        lambda _: drv.cuMemUnmap(va, n), repeats)
+        add(f"cuMemMap {n // MiB} MiB", "vm_map", n, us)
+
+        def mapped():
+            _ok(drv.cuMemMap(va, n, 0, h, 0), "cuMemMap")
+        us = _median_us(mapped, lambda _: _ok(drv.cuMemSetAccess(va, n, [access], 1),
+                                              "cuMemSetAccess"),
+                        lambda _: drv.cuMemUnmap(va, n), repeats)
+        add(f"cuMemSetAccess {n // MiB} MiB", "vm_set_access", n, us)
+
+        def mapped_accessible():
+            mapped()
+            _ok(drv.cuMemSetAccess(va, n, [access], 1), "cuMemSetAccess")
+        us = _median_us(mapped_accessible, lambda _: _ok(drv.cuMemUnmap(va, n), "cuMemUnmap"),
+                        lambda _: None, repeats)
+        add(f"cuMemUnmap {n // MiB} MiB", "vm_unmap", n, us)
+        drv.cuMemRelease(h)
+    # ten 2 MiB handles side by side: one cuMemSetAccess and one cuMemUnmap for the whole range
+    # against ten each (the driver allows a range that spans several mappings)
+    pages = [_ok(drv.cuMemCreate(2 * MiB, prop, 0), "cuMemCreate") for _ in range(10)]
+
+    def map_ten():
+        for i, h in enumerate(pages):
+            _ok(drv.cuMemMap(va + i * 2 * MiB, 2 * MiB, 0, h, 0), "cuMemMap")
+        _ok(drv.cuMemSetAccess(va, 20 * MiB, [access], 1), "cuMemSetAccess")
+    us = _median_us(map_ten, lambda _: _ok(drv.cuMemUnmap(va, 20 * MiB), "cuMemUnmap"),
+                    lambda _: None, repeats)
+    add("cuMemUnmap 10 x 2 MiB mappings, one call", "vm_unmap", 20 * MiB, us,
+        model=10 * model_us("vm_unmap"))
+
+    def unmap_each(_):
+        for i in range(10):
+            _ok(drv.cuMemUnmap(va + i * 2 * MiB, 2 * MiB), "cuMemUnmap")
+    us = _median_us(map_ten, unmap_each, lambda _: None, repeats)
+    add("cuMemUnmap 10 x 2 MiB mappings, ten calls", "vm_unmap", 20 * MiB, us,
+        model=10 * model_us("vm_unmap"))
+    for h in pages:
+        drv.cuMemRelease(h)
+    drv.cuMemAddressFree(va, va_size)
+
+    us = _median_us(nothing, lambda _: _ok(drv.cuCtxSynchronize(), "cuCtxSynchronize"),
+                    lambda _: None, repeats)
+    add("cuCtxSynchronize (idle)", "synchronize", 0, us)
+    stream = _ok(drv.cuStreamCreate(1), "cuStreamCreate")
+    flags = drv.CUevent_flags.CU_EVENT_DISABLE_TIMING
+    us = _median_us(lambda: _ok(drv.cuEventCreate(flags), "cuEventCreate"),
+                    lambda ev: (_ok(drv.cuEventRecord(ev, stream), "cuEventRecord"), ev)[1],
+                    lambda ev: drv.cuEventDestroy(ev), repeats)
+    add("cuEventRecord", "event_record", 0, us)
+    ev = _ok(drv.cuEventCreate(flags), "cuEventCreate")
+    drv.cuEventRecord(ev, stream)
+    drv.cuStreamSynchronize(stream)
+    us = _median_us(nothing, lambda _: drv.cuEventQuery(ev), lambda _: None, repeats)
+    add("cuEventQuery", "event_query", 0, us)
+    us = _median_us(nothing, lambda _: drv.cuStreamQuery(stream), lambda _: None, repeats)
+    add("cuStreamQuery", "stream_query", 0, us)
+    us = _median_us(nothing, lambda _: _ok(drv.cuMemGetInfo(), "cuMemGetInfo"),
+                    lambda _: None, repeats)
+    add("cuMemGetInfo", "mem_get_info", 0, us)
+    drv.cuEventDestroy(ev)
+    drv.cuStreamDestroy(stream)
+    return rows
+
+
+def replay_rows() -> list[dict]:
+    import gpumem
+    from gpumem.observe import synth_traces
+    from gpumem.observe.replay import replay, replay_config
+    data = Path(gpumem.__file__).resolve().parent / "data" / "traces"
+    traces: list[tuple[str, Any]] = [(p.name.split(".")[0], p)
+                                     for p in sorted(data.glob("*.csv.gz"))]
+    traces += [(f"synth {k}", synth_traces.synthesize(k, seed=0))
+               for k in ("serving", "varlen", "training")]
+    modes = {"expandable 2 MiB": dict(expandable_segments=True),
+             "expandable 20 MiB": dict(expandable_segments=True,
+                                       expandable_handle_size=20 * MiB),
+             "plain": dict(expandable_segments=False)}
+    rows = []
+    for name, trace in traces:
+        for mode, change in modes.items():
+            cfg = replay_config("default").replace(**change)
+            gpu = replay(trace, "cuda:0", cfg)
+            sim = replay(trace, "sim:80GiB", cfg)
+            rows.append({"trace": name, "mode": mode, "gpu_seconds": gpu.duration_s,
+                         "gpu_ratio": gpu.reserved_live_ratio, "gpu_calls": gpu.driver_calls,
+                         "sim_seconds": sim.duration_s,
+                         "modeled_driver_seconds": sim.modeled_driver_seconds,
+                         "sim_calls": sim.driver_calls, "num_ooms": gpu.num_ooms})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--repeats", type=int, default=40)
+    ap.add_argument("--json", metavar="PATH")
+    ap.add_argument("--no-replays", action="store_true")
+    args = ap.parse_args(argv)
+    from gpumem.backends.cuda import BACKEND
+    ok, reason = BACKEND.availability()
+    if not ok:
+        print(f"skipped: no usable GPU: {reason}")
+        return 1
+    calls = measure_calls(args.repeats)
+    print(f"{'call':44} {'measured us':>12} {'model us':>10} {'model/real':>10}")
+    for r in calls:
+        print(f"{r['call']:44} {r['measured_us']:12.2f} {r['model_us']:10.2f} "
+              f"{r['model_us'] / r['measured_us']:10.2f}")
+    replays = [] if args.no_replays else replay_rows()
+    if replays:
+        print(f"\n{'trace':20} {'mode':18} {'GPU s':>8} {'sim s':>8} {'modeled s':>10} "
+              f"{'GPU calls':>9} {'sim calls':>9} {'ratio':>6} {'OOMs':>4}")
+        for r in replays:
+            print(f"{r['trace']:20} {r['mode']:18} {r['gpu_seconds']:8.3f} "
+                  f"{r['sim_seconds']:8.3f} {r['modeled_driver_seconds']:10.3f} "
+                  f"{r['gpu_calls']:9d} {r['sim_calls']:9d} {r['gpu_ratio']:6.3f} "
+                  f"{r['num_ooms']:4d}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"calls": calls, "replays": replays}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
