@@ -32,7 +32,8 @@ from gpumem_sim.device import (
     SimDevice,
     SimSegment,
 )
-from gpumem_sim.driver_costs import CALLS, CUDA_DRIVER_COSTS, DriverCostModel
+from gpumem_sim.driver_costs import (CALLS, CUDA_DRIVER_COSTS, CUDA_DRIVER_COSTS_A100,
+                                     DriverCostModel)
 from gpumem_sim.registry import (
     DEFAULT_CAPACITY,
     PrivateSimDevice,
@@ -52,5 +53,5 @@ __all__ = [
     "nothing_installed",
     "ENV_VAR", "DEFAULT_CAPACITY", "MAX_CAPACITY", "MAX_ALIGNMENT", "CALL_LOG_LIMIT",
     "SIM_ERROR_OUT_OF_MEMORY", "SIM_ERROR_INJECTED",
-    "DriverCostModel", "CALLS", "CUDA_DRIVER_COSTS",
+    "DriverCostModel", "CALLS", "CUDA_DRIVER_COSTS", "CUDA_DRIVER_COSTS_A100",
 ]

@@ -6,11 +6,12 @@
 it only counts. Where every figure comes from is in ``docs/driver_costs.md``.
 
 A cost is ``fixed + per_byte * nbytes`` seconds. A table entry is a number (a fixed cost) or a
-pair ``(fixed, per_byte)``. Which calls grow with their size follows the published
-measurements: physical memory (``cuMemCreate``, and ``cuMemAlloc`` which creates it too) costs
-per byte; mapping, setting access and unmapping cost per call, whatever the handle's size
-(PyTorch's expandable-segments notes: mapping ten 2 MiB handles takes ten times as long as
-mapping one 20 MiB handle).
+pair ``(fixed, per_byte)``. Which calls grow with their size follows the measurement on an
+H200: freeing (``cuMemFree``, ``cuMemRelease``) grows with the size, creating (``cuMemAlloc``,
+``cuMemCreate``) barely does, and mapping, setting access and unmapping cost per call whatever
+the handle's size (as PyTorch's expandable-segments notes say: mapping ten 2 MiB handles takes
+ten times as long as mapping one 20 MiB handle). :data:`CUDA_DRIVER_COSTS_A100`, the published
+figures used before, charges physical memory per page instead.
 
 A call the driver refuses (out of memory, an injected fault) is charged its fixed part only:
 the driver spent the call's overhead but did no per-byte work (and a refused map is not
@@ -27,8 +28,8 @@ from typing import Any, Iterable, Mapping, Union
 
 from gpumem.errors import InvalidInputError
 
-__all__ = ["CALLS", "CUDA_DRIVER_COSTS", "SIM_OPS", "DriverCostModel", "DriverCostMeter",
-           "ModeledDriverTime", "CostArg", "make_meter"]
+__all__ = ["CALLS", "CUDA_DRIVER_COSTS", "CUDA_DRIVER_COSTS_A100", "SIM_OPS", "DriverCostModel",
+           "DriverCostMeter", "ModeledDriverTime", "CostArg", "make_meter"]
 
 #: The driver calls the model prices (see docs/driver_costs.md for the CUDA call behind each).
 CALLS: tuple[str, ...] = (
@@ -38,12 +39,35 @@ CALLS: tuple[str, ...] = (
 )
 
 _US = 1e-6
+_MIB = 1 << 20
 _PAGE = 2 << 20          # CUDA's VMM granularity on current GPUs; published figures are per page
 
-#: The default table for CUDA: ``call -> (fixed seconds, seconds per byte)``. Figures: A100
-#: VMM latencies for 2 MiB pages from kvcached's bench_vmm (reserve, create, map, set-access,
-#: unmap); the rest as docs/driver_costs.md says, estimates marked there.
+#: The default table for CUDA: ``call -> (fixed seconds, seconds per byte)``, measured on an
+#: NVIDIA H200 (driver 580.159.04, CUDA 13.0) on 2026-11-27 by
+#: ``asv_benchmarks/driver_costs_gpu.py`` (level GPU; medians of 40 calls, sizes 2 to 256 MiB,
+#: docs/driver_costs.md). A per-byte part only where the sweep showed one: cuMemFree and
+#: cuMemRelease grow with the size freed, cuMemAlloc and cuMemCreate barely do.
 CUDA_DRIVER_COSTS: Mapping[str, tuple[float, float]] = MappingProxyType({
+    "segment_alloc": (55.0 * _US, 0.1 * _US / _MIB),      # cuMemAlloc: 53 us at 2 MiB, 80 at 256
+    "segment_free": (40.0 * _US, 0.62 * _US / _MIB),      # cuMemFree: 42 us at 2 MiB, 199 at 256
+    "vm_reserve": (4.3 * _US, 0.0),                       # cuMemAddressReserve, 1 GiB
+    "vm_free": (4.3 * _US, 0.0),                          # cuMemAddressFree, 1 GiB
+    "vm_create": (14.0 * _US, 0.036 * _US / _MIB),        # cuMemCreate: 14 us at 2 MiB, 16 at 64
+    "vm_map": (3.1 * _US, 0.0),                           # cuMemMap, per handle, any size
+    "vm_set_access": (48.0 * _US, 0.0),                   # cuMemSetAccess, per call, any size
+    "vm_unmap": (28.6 * _US, 0.0),                        # cuMemUnmap, per mapping
+    "vm_release": (14.4 * _US, 0.595 * _US / _MIB),       # cuMemRelease: 16 us at 2 MiB, 53 at 64
+    "synchronize": (2.6 * _US, 0.0),                      # cuCtxSynchronize, idle device
+    "event_record": (2.2 * _US, 0.0),                     # cuEventRecord, timing disabled
+    "event_query": (1.2 * _US, 0.0),                      # cuEventQuery, completed event
+    "stream_query": (1.2 * _US, 0.0),                     # cuStreamQuery, idle stream
+    "mem_get_info": (8.0 * _US, 0.0),                     # cuMemGetInfo
+})
+
+#: The table before the first GPU run: published figures, mostly for an A100 (VMM latencies
+#: for 2 MiB pages from kvcached's bench_vmm; the rest as docs/driver_costs.md says, estimates
+#: marked there). ``SimDevice(driver_costs=CUDA_DRIVER_COSTS_A100)`` prices calls with it.
+CUDA_DRIVER_COSTS_A100: Mapping[str, tuple[float, float]] = MappingProxyType({
     "segment_alloc": (50.0 * _US, 193.32 * _US / _PAGE),   # cuMemAlloc: call + pages created
     "segment_free": (14.0 * _US, 0.0),                    # cuMemFree (synchronizes)
     "vm_reserve": (19.0 * _US, 0.0),                      # cuMemAddressReserve

@@ -18,7 +18,8 @@ from gpumem.errors import DriverOutOfMemory, InvalidInputError
 from gpumem.observe.replay import replay, replay_config
 from gpumem.observe.trace import read_trace
 from gpumem.units import MiB
-from gpumem_sim import CALLS, CUDA_DRIVER_COSTS, DriverCostModel, SimDevice
+from gpumem_sim import (CALLS, CUDA_DRIVER_COSTS, CUDA_DRIVER_COSTS_A100, DriverCostModel,
+                        SimDevice)
 from gpumem_sim.driver_costs import SIM_OPS
 
 G = 2 * MiB
@@ -43,10 +44,15 @@ def test_table_prices_exactly_the_calls():
 
 
 def test_cost_is_fixed_plus_per_byte():
-    """Physical memory costs per byte (4 pages cost 4 times 1 page); mapping costs per call,
-    whatever the handle's size (the published behaviour the table encodes)."""
+    """A cost is its fixed part plus its per-byte part times the size; mapping costs per call,
+    whatever the handle's size (what the H200 sweep of 2026-11-27 showed and the table
+    encodes), freeing grows with the size freed."""
     m = DriverCostModel()
-    assert m.cost("vm_create", 4 * G) == pytest.approx(4 * m.cost("vm_create", G))
+    fixed, per_byte = CUDA_DRIVER_COSTS["vm_create"]
+    assert m.cost("vm_create", 4 * G) == pytest.approx(fixed + per_byte * 4 * G)
+    assert m.cost("segment_free", 4 * G) > m.cost("segment_free", G)
+    a100 = DriverCostModel(CUDA_DRIVER_COSTS_A100)       # the published table: per page
+    assert a100.cost("vm_create", 4 * G) == pytest.approx(4 * a100.cost("vm_create", G))
     assert m.cost("vm_map", 64 * G) == m.cost("vm_map", G) == CUDA_DRIVER_COSTS["vm_map"][0]
     fixed, per_byte = CUDA_DRIVER_COSTS["segment_alloc"]
     assert m.cost("segment_alloc", 10 * G) == pytest.approx(fixed + per_byte * 10 * G)
