@@ -8,10 +8,10 @@ it only counts. Where every figure comes from is in ``docs/driver_costs.md``.
 A cost is ``fixed + per_byte * nbytes`` seconds. A table entry is a number (a fixed cost) or a
 pair ``(fixed, per_byte)``. Which calls grow with their size follows the measurement on an
 H200: freeing (``cuMemFree``, ``cuMemRelease``) grows with the size, creating (``cuMemAlloc``,
-``cuMemCreate``) barely does, and mapping, setting access and unmapping cost per call whatever
-the handle's size (as PyTorch's expandable-segments notes say: mapping ten 2 MiB handles takes
-ten times as long as mapping one 20 MiB handle). :data:`CUDA_DRIVER_COSTS_A100`, the published
-figures used before, charges physical memory per page instead.
+``cuMemCreate``) barely does, and mapping, setting access and unmapping cost per mapping
+whatever the handle's size (as PyTorch's expandable-segments notes say: mapping ten 2 MiB
+handles takes ten times as long as mapping one 20 MiB handle). :data:`CUDA_DRIVER_COSTS_A100`,
+the published figures used before, charges physical memory per page instead.
 
 A call the driver refuses (out of memory, an injected fault) is charged its fixed part only:
 the driver spent the call's overhead but did no per-byte work (and a refused map is not
@@ -44,24 +44,28 @@ _PAGE = 2 << 20          # CUDA's VMM granularity on current GPUs; published fig
 
 #: The default table for CUDA: ``call -> (fixed seconds, seconds per byte)``, measured on an
 #: NVIDIA H200 (driver 580.159.04, CUDA 13.0) on 2026-11-27 by
-#: ``asv_benchmarks/driver_costs_gpu.py`` (level GPU; medians of 40 calls, sizes 2 to 256 MiB,
-#: docs/driver_costs.md). A per-byte part only where the sweep showed one: cuMemFree and
-#: cuMemRelease grow with the size freed, cuMemAlloc and cuMemCreate barely do.
+#: ``asv_benchmarks/driver_costs_gpu.py --repeats 30 --in-situ`` (level GPU; medians, sizes 2 to
+#: 256 MiB; docs/driver_costs.md, where a second H200 of the same day is beside it). A
+#: per-byte part only where the sweep showed one: freeing grows with the size freed, creating
+#: barely does. cuMemSetAccess costs 17.9 us per call plus 21.2 us per mapping it covers (1 to
+#: 20 mappings measured); every mapping gpumem or PyTorch makes is covered by exactly one such
+#: call, so the per-mapping part is charged with each cuMemMap (1.65 us + 21.2 us) and
+#: ``vm_set_access`` is the per-call part.
 CUDA_DRIVER_COSTS: Mapping[str, tuple[float, float]] = MappingProxyType({
-    "segment_alloc": (55.0 * _US, 0.1 * _US / _MIB),      # cuMemAlloc: 53 us at 2 MiB, 80 at 256
-    "segment_free": (40.0 * _US, 0.62 * _US / _MIB),      # cuMemFree: 42 us at 2 MiB, 199 at 256
-    "vm_reserve": (4.3 * _US, 0.0),                       # cuMemAddressReserve, 1 GiB
-    "vm_free": (4.3 * _US, 0.0),                          # cuMemAddressFree, 1 GiB
-    "vm_create": (14.0 * _US, 0.036 * _US / _MIB),        # cuMemCreate: 14 us at 2 MiB, 16 at 64
-    "vm_map": (3.1 * _US, 0.0),                           # cuMemMap, per handle, any size
-    "vm_set_access": (48.0 * _US, 0.0),                   # cuMemSetAccess, per call, any size
-    "vm_unmap": (28.6 * _US, 0.0),                        # cuMemUnmap, per mapping
-    "vm_release": (14.4 * _US, 0.595 * _US / _MIB),       # cuMemRelease: 16 us at 2 MiB, 53 at 64
-    "synchronize": (2.6 * _US, 0.0),                      # cuCtxSynchronize, idle device
-    "event_record": (2.2 * _US, 0.0),                     # cuEventRecord, timing disabled
-    "event_query": (1.2 * _US, 0.0),                      # cuEventQuery, completed event
-    "stream_query": (1.2 * _US, 0.0),                     # cuStreamQuery, idle stream
-    "mem_get_info": (8.0 * _US, 0.0),                     # cuMemGetInfo
+    "segment_alloc": (35.5 * _US, 0.077 * _US / _MIB),    # cuMemAlloc: 36 us at 2 MiB, 55 at 256
+    "segment_free": (31.0 * _US, 0.3 * _US / _MIB),       # cuMemFree: 31 us at 2 MiB, 107 at 256
+    "vm_reserve": (2.7 * _US, 0.0),                       # cuMemAddressReserve, 1 GiB
+    "vm_free": (2.6 * _US, 0.0),                          # cuMemAddressFree, 1 GiB
+    "vm_create": (9.3 * _US, 0.015 * _US / _MIB),         # cuMemCreate: 9.3 us at 2 MiB, 10.3 at 64
+    "vm_map": ((1.65 + 21.2) * _US, 0.0),                 # cuMemMap + its mapping's access grant
+    "vm_set_access": (17.9 * _US, 0.0),                   # cuMemSetAccess, per call
+    "vm_unmap": (23.4 * _US, 0.0),                        # cuMemUnmap, per mapping
+    "vm_release": (10.3 * _US, 0.3 * _US / _MIB),         # cuMemRelease: 11 us at 2 MiB, 29 at 64
+    "synchronize": (1.3 * _US, 0.0),                      # cuCtxSynchronize, idle device
+    "event_record": (1.2 * _US, 0.0),                     # cuEventRecord, timing disabled
+    "event_query": (0.6 * _US, 0.0),                      # cuEventQuery, completed event
+    "stream_query": (0.65 * _US, 0.0),                    # cuStreamQuery, idle stream
+    "mem_get_info": (6.0 * _US, 0.0),                     # cuMemGetInfo
 })
 
 #: The table before the first GPU run: published figures, mostly for an A100 (VMM latencies

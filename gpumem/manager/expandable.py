@@ -66,8 +66,8 @@ __all__ = ["ExpandableSegments", "STITCH_RATIO"]
 # pages, in us): making a page where a request needs it costs cuMemCreate + cuMemMap +
 # cuMemSetAccess, moving one there costs cuMemUnmap + cuMemMap + cuMemSetAccess (a single page:
 # no range to share the access call with). On the H200 measured on 2026-11-27 (the default
-# CUDA_DRIVER_COSTS) a move costs more than a creation (79.7 against 65.1 us: cuMemCreate is
-# 14 us there), so the derivation below has no positive answer and a stitch is bought for
+# CUDA_DRIVER_COSTS) a move costs more than a creation (64.2 against 50.1 us: cuMemCreate is
+# 9 us there), so the derivation below has no positive answer and a stitch is bought for
 # tightness, never for time; the threshold stays at the A100 value until issue #19 settles it.
 _CREATE_US = 193.32 + 1.45 + 35.99
 _MOVE_US = 25.63 + 1.45 + 35.99
