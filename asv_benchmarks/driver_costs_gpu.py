@@ -4,7 +4,12 @@
 
 1. Each priced call timed on the GPU through cuda.bindings.driver (median of ``--repeats``;
    the binding adds well under a microsecond), beside the model's figure for the same size.
-2. The shipped and synthetic traces replayed on ``cuda:0`` and on ``sim:80GiB`` with expandable
+2. cuMemSetAccess over k one-page mappings side by side (k = 1..20): whether its cost is per
+   call or per mapping.
+3. In situ (``--in-situ``): four traces replayed on ``cuda:0`` with every driver call that goes
+   through ``CudaDevice._call`` timed alone, so replay time splits into driver time per call
+   name and the rest (gpumem's own work and the replay loop).
+4. The shipped and synthetic traces replayed on ``cuda:0`` and on ``sim:80GiB`` with expandable
    segments (2 MiB and 20 MiB handles) and plain segments: real replay seconds on the GPU beside
    the modeled driver seconds plus the sim's own replay time, so the model's verdict (expandable
    vs plain) can be checked against the card's.
@@ -138,6 +143,21 @@ def measure_calls(repeats: int) -> list[dict]:
         model=10 * model_us("vm_unmap"))
     for h in pages:
         drv.cuMemRelease(h)
+    # cuMemSetAccess over k one-page mappings: per call or per mapping?
+    pages = [_ok(drv.cuMemCreate(2 * MiB, prop, 0), "cuMemCreate") for _ in range(20)]
+    for k in (1, 2, 5, 10, 20):
+        def map_k(k=k):
+            for i in range(k):
+                _ok(drv.cuMemMap(va + i * 2 * MiB, 2 * MiB, 0, pages[i], 0), "cuMemMap")
+
+        def unmap_k(_, k=k):
+            for i in range(k):
+                drv.cuMemUnmap(va + i * 2 * MiB, 2 * MiB)
+        us = _median_us(map_k, lambda _, k=k: _ok(drv.cuMemSetAccess(va, k * 2 * MiB, [access], 1),
+                                                   "cuMemSetAccess"), unmap_k, repeats)
+        add(f"cuMemSetAccess over {k} x 2 MiB mappings", "vm_set_access", k * 2 * MiB, us)
+    for h in pages:
+        drv.cuMemRelease(h)
     drv.cuMemAddressFree(va, va_size)
 
     us = _median_us(nothing, lambda _: _ok(drv.cuCtxSynchronize(), "cuCtxSynchronize"),
@@ -164,15 +184,63 @@ def measure_calls(repeats: int) -> list[dict]:
     return rows
 
 
-def replay_rows() -> list[dict]:
+def _traces(names: tuple[str, ...] | None = None) -> list[tuple[str, Any]]:
     import gpumem
     from gpumem.observe import synth_traces
-    from gpumem.observe.replay import replay, replay_config
     data = Path(gpumem.__file__).resolve().parent / "data" / "traces"
     traces: list[tuple[str, Any]] = [(p.name.split(".")[0], p)
                                      for p in sorted(data.glob("*.csv.gz"))]
     traces += [(f"synth {k}", synth_traces.synthesize(k, seed=0))
                for k in ("serving", "varlen", "training")]
+    return [t for t in traces if names is None or t[0] in names]
+
+
+def in_situ_rows() -> list[dict]:
+    """Replays on cuda:0 (default config) with each driver call made through CudaDevice._call
+    timed alone, up to the replay's last event (the manager's close() after it is not counted,
+    as in ReplayResult.driver_calls); the rest of the replay time is gpumem's and the loop's."""
+    from gpumem.backends import open_device
+    from gpumem.observe.replay import replay, replay_config
+    dev = open_device("cuda:0")
+    orig = dev._call
+    stats: dict[str, list] = {}
+
+    def call(what: str, fn: Any, *args: Any) -> Any:
+        def timed(*a: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*a)
+            finally:
+                s = stats.setdefault(what, [0, 0.0])
+                s[0] += 1
+                s[1] += time.perf_counter() - t0
+        return orig(what, timed, *args)
+
+    rows = []
+    dev._call = call
+    try:
+        for name, trace in _traces(("bert_varlen_infer", "gpt2_train", "synth serving",
+                                    "synth varlen")):
+            stats.clear()
+            at_end: dict[str, list] = {}
+
+            def snapshot(done: int, total: int) -> None:
+                if done == total:                   # the last event, before close()
+                    at_end.update({k: list(v) for k, v in stats.items()})
+            res = replay(trace, dev, replay_config("default"), progress=snapshot)
+            driver = sum(v[1] for v in at_end.values())
+            rows.append({"trace": name, "replay_seconds": res.duration_s,
+                         "driver_seconds": driver, "driver_calls": res.driver_calls,
+                         "calls": {k: {"count": v[0], "mean_us": v[1] / v[0] * 1e6}
+                                   for k, v in sorted(at_end.items())}})
+    finally:
+        del dev._call
+    return rows
+
+
+def replay_rows() -> list[dict]:
+    from gpumem.observe.replay import replay, replay_config
+    traces = _traces()
     modes = {"expandable 2 MiB": dict(expandable_segments=True),
              "expandable 20 MiB": dict(expandable_segments=True,
                                        expandable_handle_size=20 * MiB),
@@ -196,6 +264,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=40)
     ap.add_argument("--json", metavar="PATH")
     ap.add_argument("--no-replays", action="store_true")
+    ap.add_argument("--in-situ", action="store_true",
+                    help="also time each driver call inside four replays on cuda:0")
     args = ap.parse_args(argv)
     from gpumem.backends.cuda import BACKEND
     ok, reason = BACKEND.availability()
@@ -207,6 +277,13 @@ def main(argv: list[str] | None = None) -> int:
     for r in calls:
         print(f"{r['call']:44} {r['measured_us']:12.2f} {r['model_us']:10.2f} "
               f"{r['model_us'] / r['measured_us']:10.2f}")
+    situ = in_situ_rows() if args.in_situ else []
+    for r in situ:
+        print(f"\nin situ: {r['trace']}: replay {r['replay_seconds'] * 1e3:.1f} ms, driver calls "
+              f"{r['driver_seconds'] * 1e3:.1f} ms ({r['driver_calls']} calls), the rest "
+              f"{(r['replay_seconds'] - r['driver_seconds']) * 1e3:.1f} ms")
+        for k, v in r["calls"].items():
+            print(f"    {k:28} {v['count']:8d} x {v['mean_us']:8.2f} us")
     replays = [] if args.no_replays else replay_rows()
     if replays:
         print(f"\n{'trace':20} {'mode':18} {'GPU s':>8} {'sim s':>8} {'modeled s':>10} "
@@ -217,7 +294,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['gpu_calls']:9d} {r['sim_calls']:9d} {r['gpu_ratio']:6.3f} "
                   f"{r['num_ooms']:4d}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"calls": calls, "replays": replays}, indent=1))
+        Path(args.json).write_text(json.dumps({"calls": calls, "in_situ": situ,
+                                               "replays": replays}, indent=1))
     return 0
 
 
