@@ -13,7 +13,7 @@
    segments (2 MiB and 20 MiB handles) and plain segments: real replay seconds on the GPU beside
    the modeled driver seconds plus the sim's own replay time, so the model's verdict (expandable
    vs plain) can be checked against the card's.
-Prints two tables; exits 1 when no usable GPU is found.
+Prints a table for each part; exits 1 when no usable GPU is found.
 """
 from __future__ import annotations
 
@@ -54,7 +54,8 @@ def _median_us(setup: Callable[[], Any], timed: Callable[[Any], Any],
 def measure_calls(repeats: int) -> list[dict]:
     from cuda.bindings import driver as drv
 
-    from gpumem_sim.driver_costs import CUDA_DRIVER_COSTS
+    from gpumem_sim.driver_costs import DriverCostModel
+    model = DriverCostModel()
     _ok(drv.cuInit(0), "cuInit")
     dev = _ok(drv.cuDeviceGet(0), "cuDeviceGet")
     ctx = _ok(drv.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
@@ -70,11 +71,10 @@ def measure_calls(repeats: int) -> list[dict]:
     rows: list[dict] = []
 
     def model_us(key: str, nbytes: int = 0) -> float:
-        fixed, per_byte = CUDA_DRIVER_COSTS[key]
-        return (fixed + per_byte * nbytes) * 1e6
+        return model.cost(key, nbytes) * 1e6
 
-    def add(call: str, key: str, nbytes: int, us: float, model: float | None = None) -> None:
-        m = model_us(key, nbytes) if model is None else model
+    def add(call: str, key: str, nbytes: int, us: float, modeled: float | None = None) -> None:
+        m = model_us(key, nbytes) if modeled is None else modeled
         rows.append({"call": call, "model_key": key, "bytes": nbytes, "measured_us": us,
                      "model_us": m})
 
@@ -122,29 +122,26 @@ def measure_calls(repeats: int) -> list[dict]:
                         lambda _: None, repeats)
         add(f"cuMemUnmap {n // MiB} MiB", "vm_unmap", n, us)
         drv.cuMemRelease(h)
-    # ten 2 MiB handles side by side: one cuMemSetAccess and one cuMemUnmap for the whole range
-    # against ten each (the driver allows a range that spans several mappings)
-    pages = [_ok(drv.cuMemCreate(2 * MiB, prop, 0), "cuMemCreate") for _ in range(10)]
+    # one-page handles side by side; first ten: one cuMemSetAccess and one cuMemUnmap for the
+    # whole range against ten each (the driver allows a range that spans several mappings)
+    pages = [_ok(drv.cuMemCreate(2 * MiB, prop, 0), "cuMemCreate") for _ in range(20)]
 
     def map_ten():
-        for i, h in enumerate(pages):
+        for i, h in enumerate(pages[:10]):
             _ok(drv.cuMemMap(va + i * 2 * MiB, 2 * MiB, 0, h, 0), "cuMemMap")
         _ok(drv.cuMemSetAccess(va, 20 * MiB, [access], 1), "cuMemSetAccess")
     us = _median_us(map_ten, lambda _: _ok(drv.cuMemUnmap(va, 20 * MiB), "cuMemUnmap"),
                     lambda _: None, repeats)
     add("cuMemUnmap 10 x 2 MiB mappings, one call", "vm_unmap", 20 * MiB, us,
-        model=10 * model_us("vm_unmap"))
+        modeled=10 * model_us("vm_unmap"))
 
     def unmap_each(_):
         for i in range(10):
             _ok(drv.cuMemUnmap(va + i * 2 * MiB, 2 * MiB), "cuMemUnmap")
     us = _median_us(map_ten, unmap_each, lambda _: None, repeats)
     add("cuMemUnmap 10 x 2 MiB mappings, ten calls", "vm_unmap", 20 * MiB, us,
-        model=10 * model_us("vm_unmap"))
-    for h in pages:
-        drv.cuMemRelease(h)
+        modeled=10 * model_us("vm_unmap"))
     # cuMemSetAccess over k one-page mappings: per call or per mapping?
-    pages = [_ok(drv.cuMemCreate(2 * MiB, prop, 0), "cuMemCreate") for _ in range(20)]
     for k in (1, 2, 5, 10, 20):
         def map_k(k=k):
             for i in range(k):

@@ -28,8 +28,8 @@ sys.path.insert(0, os.path.dirname(__file__))   # `import invariants` from any t
 
 import gpumem_sim  # noqa: E402
 from gpumem import MemoryConfig, MemoryManager  # noqa: E402
-from invariants import (TEST_EXPANDABLE, device_string, require_backend,  # noqa: E402
-                        selected_backends)
+from invariants import (TEST_EXPANDABLE, device_string, libcuda_is_fake,  # noqa: E402
+                        require_backend, selected_backends)
 
 #: A config that uses the whole device and makes out-of-memory visible (with expandable segments
 #: when GPUMEM_TEST_EXPANDABLE_SEGMENTS=1: see invariants.TEST_EXPANDABLE).
@@ -146,8 +146,6 @@ def fallback(sim_device):
 @pytest.fixture
 def fake():
     """The fake's helpers when this process's cuda backend runs on it; else skip."""
-    import ctypes
-
     import fake_cuda
     from gpumem.backends import cuda as cuda_mod
     if "cuda" not in selected_backends(()):
@@ -155,8 +153,7 @@ def fake():
     ok, reason = cuda_mod.BACKEND.availability()
     if not ok:
         pytest.skip(f"backend 'cuda' unavailable: {reason}")
-    lib = ctypes.CDLL("libcuda.so.1")
-    if not hasattr(lib, "fake_cuda_live_allocations"):
+    if not libcuda_is_fake():
         pytest.skip("a real NVIDIA driver is loaded, not the fake")
     return fake_cuda.helpers()
 

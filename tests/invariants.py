@@ -106,21 +106,25 @@ def backend_device(name: str, capacity: int | str = "4GiB", **sim_options: Any) 
     return device_string(name)
 
 
-#: Expandable segments in the shared base configs (EXACT, QUIET, conftest's PERMISSIVE): on, as
-#: the library's default; GPUMEM_TEST_EXPANDABLE_SEGMENTS=0 runs the suite with them off
-#: (ci/test.sh's second pass on sim and on the fake driver).
+def libcuda_is_fake() -> bool | None:
+    """True when the libcuda.so.1 this process loads is tests/fake_cuda, False when it is a real
+    NVIDIA driver, None when there is none."""
+    import ctypes
+    try:
+        return hasattr(ctypes.CDLL("libcuda.so.1"), "fake_cuda_live_allocations")
+    except OSError:
+        return None
+
+
 def real_cuda_driver(backend: str) -> bool:
     """Whether `backend` is cuda on a real NVIDIA driver (not tests/fake_cuda): the driver's own
     rules then apply, e.g. a forked child cannot use the parent's CUDA state."""
-    if backend != "cuda":
-        return False
-    import ctypes
-    try:
-        return not hasattr(ctypes.CDLL("libcuda.so.1"), "fake_cuda_live_allocations")
-    except OSError:
-        return False
+    return backend == "cuda" and libcuda_is_fake() is False
 
 
+#: Expandable segments in the shared base configs (EXACT, QUIET, conftest's PERMISSIVE): on, as
+#: the library's default; GPUMEM_TEST_EXPANDABLE_SEGMENTS=0 runs the suite with them off
+#: (ci/test.sh's second pass on sim and on the fake driver).
 TEST_EXPANDABLE = os.environ.get("GPUMEM_TEST_EXPANDABLE_SEGMENTS", "1") != "0"
 
 #: Usable memory is exactly the device's capacity (no fraction, no reserve, no min free), and an
