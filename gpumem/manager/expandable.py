@@ -260,7 +260,7 @@ class ExpandableSegments:
         for ratio in (0, STITCH_RATIO):
             for handle in self._by_stream.get(stream, ()):
                 if got >= nbytes:
-                    return out
+                    break                       # enough; the room check below still applies
                 seg = self._segments[handle]
                 ranges = self._mm.pool.carve_free_pages(
                     handle, self.page, nbytes - got, stream=stream,

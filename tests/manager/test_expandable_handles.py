@@ -111,6 +111,35 @@ def test_a_stitch_moves_whole_free_handles(vm):
     check(mm, [s for s, _ in kept])
 
 
+def test_a_moved_handle_never_passes_the_reservations_end():
+    """Level real (sim). A 64 MiB reservation of 8 MiB handles: a free 8 MiB handle at its
+    start, a free 10 MiB tail at 48 MiB and 6 MiB of room after it. A 14 MiB miss at the end
+    needs 4 MiB more; the free handle would overshoot the reservation by 2 MiB, so it stays
+    where it is and a 4 MiB handle is made (the old code returned the move before checking the
+    room, and the driver refused a mapping past the reservation: gpumem tune on a small card
+    crashed on bert_varlen_infer with 20 MiB handles)."""
+    # the pressure responses off: at 62 of 64 MiB they would return the free handle
+    _, mm = sim_manager("64MiB", expandable_segments=True, expandable_handle_size=8 * MiB,
+                        gpu_memory_fraction=1.0, auto_release_at_high=False,
+                        auto_cleanup_at_critical=False)
+    try:
+        x, live, t = mm.malloc(8 * MiB), mm.malloc(40 * MiB), mm.malloc(10 * MiB)
+        [seg] = mm._expandable.layout()
+        assert mm._expandable._segments[seg].reserved == 64 * MiB
+        t.free()
+        x.free()
+        got = mm.malloc(14 * MiB)
+        assert got.ptr == live.ptr + 40 * MiB
+        assert mm._expandable.mappings(seg)[0] == (0, 8 * MiB)        # not moved
+        assert mm._expandable.mappings(seg)[-1] == (58 * MiB, 4 * MiB)
+        assert mm._expandable.stitched_bytes == 0
+        check(mm, [live, got])
+        live.free()
+        got.free()
+    finally:
+        mm.close()
+
+
 @pytest.mark.handle_size(8 * MiB)
 @pytest.mark.parametrize("fault", ["map", "unmap", "create"])
 def test_a_refusal_while_moving_handles_rolls_back_completely(vm, fault, monkeypatch):
