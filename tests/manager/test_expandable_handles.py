@@ -140,6 +140,41 @@ def test_a_moved_handle_never_passes_the_reservations_end():
         mm.close()
 
 
+def test_a_fill_that_leaves_an_unmapped_tail_never_misplaces_a_later_growth():
+    """Level real (sim). The synthetic varlen trace (seed 1) on a card just large enough
+    (2,984,411,136 B: a stream's reservation gets used up, so it has two, and one of them
+    is emptied into holes) with 20 MiB handles: a fill into a segment's only hole left an
+    unmapped tail; a later growth at that segment's end was planned past the tail, a carve
+    in between cut the tail off, and the growth was mapped where the pool did not put it
+    (the pool and the device out of step, then a mapping refused for overlapping one:
+    gpumem tune's smallest-card search crashed). Now the plan cuts the tail first. Every
+    invariant every 500 events and at the end; OOMs are expected on such a card."""
+    from gpumem.observe.synth_traces import synthesize
+    from gpumem.observe.trace import OP_ALLOC
+    from gpumem.errors import OutOfMemoryError
+    data = synthesize("varlen", seed=1)
+    _, mm = sim_manager(2_984_411_136, expandable_segments=True, expandable_handle_size=20 * MiB,
+                        base={}, cpu_fallback_enabled=False, min_free_bytes=0)
+    live = {}
+    try:
+        for k, (op, i, n) in enumerate(zip(data.ops.tolist(), data.ids.tolist(),
+                                           data.sizes.tolist())):
+            if op == OP_ALLOC:
+                try:
+                    live[i] = mm.malloc(n)
+                except OutOfMemoryError:
+                    pass
+            elif i in live:
+                live.pop(i).free()
+            if k % 500 == 0:
+                check(mm, list(live.values()))
+        check(mm, list(live.values()))
+        for buf in live.values():
+            buf.free()
+    finally:
+        mm.close()
+
+
 @pytest.mark.handle_size(8 * MiB)
 @pytest.mark.parametrize("fault", ["map", "unmap", "create"])
 def test_a_refusal_while_moving_handles_rolls_back_completely(vm, fault, monkeypatch):
