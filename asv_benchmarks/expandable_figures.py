@@ -12,7 +12,7 @@ settings and with expandable_segments:True.
     python asv_benchmarks/expandable_figures.py [--repeat 3] [--configs default,constrained]
     python asv_benchmarks/expandable_figures.py --hit-pair   # malloc+free cache hits, off vs on
     python asv_benchmarks/expandable_figures.py --stitch-ratio 3   # another STITCH_RATIO
-    python asv_benchmarks/expandable_figures.py --handle-sizes 2MiB,4MiB,8MiB,20MiB
+    python asv_benchmarks/expandable_figures.py --handle-sizes 2MiB,4MiB,8MiB,20MiB,growth
         # the default preset with each expandable_handle_size against plain segments
 """
 from __future__ import annotations
@@ -76,8 +76,10 @@ def handle_size_table(rows: list[tuple[str, object]], sizes: list[str], repeat: 
     """Per trace: plain segments, then expandable segments with each handle size (default
     preset otherwise): peak physical / peak live, driver calls and modeled driver time (and
     each over plain), events/s over plain (median of ``repeat`` interleaved pairs)."""
+    from gpumem.config import HANDLE_PER_GROWTH
     from gpumem.units import parse_size
-    nbytes = [parse_size(s, what="--handle-sizes") for s in sizes]
+    nbytes = [s if s == HANDLE_PER_GROWTH else parse_size(s, what="--handle-sizes")
+              for s in sizes]
     print("| trace | plain: ratio, calls, modeled ms | " + " | ".join(
         f"handles {s}: ratio, calls (x plain), modeled ms (x plain), events/s x plain"
         for s in sizes) + " |")
@@ -117,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="replace gpumem.manager.expandable.STITCH_RATIO (derived from the "
                          "driver cost table) to see how the figures move with it")
     ap.add_argument("--handle-sizes", default=None,
-                    help="comma-separated MemoryConfig.expandable_handle_size values: print "
+                    help="comma-separated MemoryConfig.expandable_handle_size values (sizes, "
+                         "or 'growth'): print "
                          "ratio, driver calls and modeled driver time for each instead")
     args = ap.parse_args(argv)
     if args.stitch_ratio is not None:

@@ -4,7 +4,8 @@
 # free, in four configurations: driver faults with CPU fallback on and off, and near-100 %
 # pressure with fallback on and off, with expandable segments (the default: holes, stitching,
 # page-creation and map faults); twice more with 6 MiB physical handles (whole-handle moves and
-# trims); then the faults and pressure runs again with plain segments.
+# trims) and twice with one handle per growth; then the faults and pressure runs again with
+# plain segments.
 # Usage: bash ci/soak.sh [SECONDS]   (default: 1,000,000 operations per configuration;
 #                                     with SECONDS, each configuration runs that long instead)
 set -euo pipefail
@@ -24,6 +25,8 @@ run --capacity 192MiB --fail-rate 0.01 --cpu-fallback --seed 3
 run --capacity 192MiB --fail-rate 0.01 --seed 4
 run --capacity 1GiB --fail-rate 0.02 --cpu-fallback --seed 7 --handle-size 6MiB
 run --capacity 192MiB --fail-rate 0.01 --seed 8 --handle-size 6MiB
+run --capacity 1GiB --fail-rate 0.02 --cpu-fallback --seed 9 --handle-size growth
+run --capacity 192MiB --fail-rate 0.01 --seed 10 --handle-size growth
 run --capacity 1GiB --fail-rate 0.02 --cpu-fallback --seed 5 --no-expandable
 run --capacity 192MiB --fail-rate 0.01 --cpu-fallback --seed 6 --no-expandable
 exit $status

@@ -17,7 +17,7 @@ from typing import Any, Mapping
 from gpumem.errors import InvalidInputError, UnknownSettingWarning
 from gpumem.units import GiB, MiB, parse_size
 
-__all__ = ["MemoryConfig", "MAX_BYTES", "OTHER_VARIABLES"]
+__all__ = ["MemoryConfig", "MAX_BYTES", "OTHER_VARIABLES", "HANDLE_PER_GROWTH"]
 
 #: GPUMEM_* variables read elsewhere (besides GPUMEM_<FIELD> of MemoryConfig): from_env does
 #: not warn about these. Add a variable here when a module starts reading one.
@@ -46,6 +46,9 @@ OTHER_VARIABLES = frozenset({
 #: the largest byte count (and count) a setting may hold: 4 EiB, far past any device, and small
 #: enough that the pool's size_t arithmetic (rounding, segment plus slack) cannot overflow
 MAX_BYTES = 1 << 62
+
+#: MemoryConfig.expandable_handle_size for one physical handle per growth
+HANDLE_PER_GROWTH = "growth"
 
 
 def _debug_env() -> bool:
@@ -89,10 +92,12 @@ class MemoryConfig:
                                             # place by mapping pages where the device has
                                             # virtual memory (cuda, sim); elsewhere (OpenCL,
                                             # host) plain segments whatever this says
-    expandable_handle_size: int = 0         # largest physical handle an expandable segment
+    expandable_handle_size: int | str = 0   # largest physical handle an expandable segment
                                             # creates (whole pages); 0: one page. Larger
                                             # handles: fewer driver calls, but a handle moves
-                                            # and goes back only when wholly free
+                                            # and goes back only when wholly free. "growth":
+                                            # one handle per growth, at least what a plain
+                                            # segment would hold (plain's driver calls)
                                             # (docs/expandable_segments.md, "Handle size")
     # pressure: fractions of usable memory where MEDIUM, HIGH, CRITICAL begin
     pressure_thresholds: tuple[float, float, float] = (0.60, 0.80, 0.95)
@@ -113,8 +118,14 @@ class MemoryConfig:
                 raise InvalidInputError(f"{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("min_free_bytes", "granularity", "small_size", "small_segment",
                      "large_segment", "large_threshold", "large_round", "large_split_min",
-                     "oversize_slack", "max_pooled_per_bucket", "expandable_handle_size"):
+                     "oversize_slack", "max_pooled_per_bucket"):
             self._check_int(name, getattr(self, name))
+        if self.expandable_handle_size != HANDLE_PER_GROWTH:
+            if isinstance(self.expandable_handle_size, str):
+                raise InvalidInputError(
+                    f"expandable_handle_size must be an int number of bytes or "
+                    f"{HANDLE_PER_GROWTH!r}, got {self.expandable_handle_size!r}")
+            self._check_int("expandable_handle_size", self.expandable_handle_size)
         for name in ("reserve_bytes", "max_split_size", "max_pool_size"):
             if getattr(self, name) is not None:
                 self._check_int(name, getattr(self, name))
@@ -303,6 +314,14 @@ def _parse_env_value(name: str, raw: str, current: Any) -> Any:
         if not (raw.isascii() and raw.isdigit()) or len(raw) > 20:
             raise InvalidInputError("expected a non-negative integer (at most 20 digits)")
         return int(raw)
+    if name == "expandable_handle_size":
+        if raw.lower() == HANDLE_PER_GROWTH:
+            return HANDLE_PER_GROWTH
+        try:
+            return parse_size(raw, what=name)
+        except ValueError:
+            raise InvalidInputError(
+                f"expected a size (e.g. 20MiB; 0: one page) or {HANDLE_PER_GROWTH!r}") from None
     if raw.lower() in ("none", ""):
         return None
     return parse_size(raw, what=name)

@@ -100,7 +100,7 @@ def _size(rng: random.Random, max_size: int) -> int:
 def run(*, ops: int = 20_000, seconds: float | None = None, workers: int = 6,
         capacity: str = "1GiB", max_size: int = 64 * MiB, live_per_worker: int = 12,
         fail_rate: float = 0.0, cpu_fallback: bool = False, seed: int = 0,
-        expandable: bool | None = None, handle_size: int = 0,
+        expandable: bool | None = None, handle_size: int | str = 0,
         verbose: bool = False) -> StressResult:
     """One run; ``ops`` is the total across allocator threads (``seconds`` caps it).
     ``expandable``: expandable segments (holes, stitching; ``fail_rate`` then also fails page
@@ -293,12 +293,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="expandable segments on / off (default: as "
                          "GPUMEM_TEST_EXPANDABLE_SEGMENTS says: on unless it is 0)")
     ap.add_argument("--handle-size", default="0",
-                    help="MemoryConfig.expandable_handle_size, e.g. 6MiB (0: one page)")
+                    help="MemoryConfig.expandable_handle_size, e.g. 6MiB (0: one page; "
+                         "'growth': one handle per growth)")
     args = ap.parse_args(argv)
     res = run(ops=args.ops, seconds=args.seconds, workers=args.workers, capacity=args.capacity,
               fail_rate=args.fail_rate, cpu_fallback=args.cpu_fallback, seed=args.seed,
               expandable=args.expandable,
-              handle_size=parse_size(args.handle_size, what="--handle-size"))
+              handle_size=(args.handle_size if args.handle_size == "growth"
+                           else parse_size(args.handle_size, what="--handle-size")))
     print(f"capacity={args.capacity} fail_rate={args.fail_rate} "
           f"cpu_fallback={args.cpu_fallback} seed={args.seed} "
           f"expandable={'default' if args.expandable is None else args.expandable} "

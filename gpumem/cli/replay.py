@@ -81,7 +81,8 @@ def replay_flags(s: argparse.ArgumentParser) -> None:
                         "virtual memory; --no-expandable-segments: plain segments)")
     s.add_argument("--expandable-handle-size", metavar="SIZE",
                    help="largest physical handle of an expandable segment, e.g. 20MiB (default: "
-                        "one page; larger: fewer driver calls, less tight)")
+                        "one page; larger: fewer driver calls, less tight), or 'growth': one "
+                        "handle per growth (about plain segments' driver calls)")
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -5,14 +5,13 @@ expandable_segments=False)`` or ``GPUMEM_EXPANDABLE_SEGMENTS=0`` turns it off), 
 does not ask the driver for a new segment. Each stream gets a reserved address range (as large
 as the manager's usable memory: address space costs nothing) that the pool sees as one segment;
 its memory is physical handles of at most ``MemoryConfig.expandable_handle_size`` bytes (whole
-pages of the device's VM granularity; by default one page), each mapped at one offset
-(``_Segment.maps``). The driver maps, unmaps and releases a handle whole, so the pool moves and
-trims whole handles only (it is given the mapping boundaries): larger handles cost fewer driver
-calls, but a handle that a live block touches can neither move nor go back. One page per
-handle is the default because it is the only size that keeps every trace within its ratio
-target (docs/expandable_segments.md, "Handle size"). Inside a segment a range is live, free
-(mapped, cached) or unmapped (a hole: no physical memory; the pool's unmapped block state,
-pool_pages.pyx).
+pages of the device's VM granularity; by default one page; ``"growth"``: one per miss, see
+``_growth_step``), each mapped at one offset (``_Segment.maps``). The driver maps, unmaps and
+releases a handle whole, so the pool moves and trims whole handles only: larger handles cost
+fewer driver calls, but a handle that a live block touches can neither move nor go back (one
+page is the default: the only size that keeps every trace within its ratio target;
+docs/expandable_segments.md, "Handle size"). Inside a segment a range is live, free (mapped,
+cached) or unmapped (a hole: no physical memory; the pool's unmapped state, pool_pages.pyx).
 
 A miss (:meth:`ExpandableSegments.grow`) asks the pool where mapping the fewest pages makes
 the request fit: into a hole joined with its free neighbours, or at the segment's end joined
@@ -55,6 +54,7 @@ from bisect import bisect_left, insort
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from gpumem.config import HANDLE_PER_GROWTH
 from gpumem.errors import DriverError, DriverOutOfMemory, InvalidInputError
 
 if TYPE_CHECKING:
@@ -157,8 +157,11 @@ class ExpandableSegments:
         self._mm = growth                   # the manager's segment growth (its Growth calls)
         self._dev = growth.device
         self.page = self._dev.vm_granularity()
+        asked = growth.config.expandable_handle_size
+        #: one handle per growth (MemoryConfig.expandable_handle_size == "growth")
+        self.per_growth = asked == HANDLE_PER_GROWTH
         #: the largest physical handle made (MemoryConfig.expandable_handle_size; whole pages)
-        self.handle_size = max(growth.config.expandable_handle_size // self.page, 1) * self.page
+        self.handle_size = 0 if self.per_growth else max(asked // self.page, 1) * self.page
         self._segments: dict[int, _Segment] = {}     # handle -> segment
         self._by_stream: dict[int, list[int]] = {}   # stream -> its segments' handles, oldest first
         self.driver_calls = 0                          # vm_* calls made (figures, tests)
@@ -214,7 +217,8 @@ class ExpandableSegments:
             if plan is None:                        # no segment, or every reservation used up
                 return self._grow_new(nbytes, stream, tag)
             seg, offset, size, keep, at_end = plan
-            mapped = self._map_range(seg, offset, size, keep, stream, at_end) if size else 0
+            mapped = (self._map_range(seg, offset, size, keep, stream, at_end, nbytes)
+                      if size else 0)
             if mapped is None:
                 return None
             if at_end and size:
@@ -282,24 +286,26 @@ class ExpandableSegments:
         return out
 
     def _map_range(self, seg: _Segment, offset: int, size: int, keep: tuple[int, int],
-                   stream: int, at_end: bool) -> int | None:
-        """Map at least ``size`` bytes at ``offset`` of ``seg``: free mappings moved from
-        elsewhere first, then one new handle for the rest. Returns the bytes mapped (more
-        than ``size`` only at the end, when a moved mapping was larger than needed), or None
-        (nothing changed) when the limits or the driver refuse; other errors propagate after
-        the rollback."""
+                   stream: int, at_end: bool, request: int) -> int | None:
+        """Map at least ``size`` bytes at ``offset`` of ``seg`` for a ``request``-byte miss:
+        free mappings moved from elsewhere first, then new handles for the rest. Returns the
+        bytes mapped (more than ``size`` only at the end, when a moved mapping was larger than
+        needed or a per-growth handle was rounded up), or None (nothing changed) when the
+        limits or the driver refuse; other errors propagate after the rollback."""
         pool = self._mm.pool
         room = seg.reserved - offset if at_end else None
         sources = self._take_mappings(seg, size, stream, keep, room)
         moved = sum(n for _, _, n in sources)
         new = max(size - moved, 0)
+        free = self._dev.mem_get_info()[0] if new else 0
+        if new and at_end and self.per_growth:
+            new = self._growth_step(new, request, room - moved, free)
         if (new and self._mm.config.release_before_grow
                 and pool.reserved_bytes + new > pool.peak_reserved_bytes):
             # past the high-water mark: idle small-pool segments go back to the device first
             # (the large pool cannot use them); release_before_grow's rule across the pools
             self._mm.release_cached(new, reason="release before expandable growth", small=True)
-        if new and not self._mm.segment_allowed(new, pool.reserved_bytes,
-                                                 self._dev.mem_get_info()[0]):
+        if new and not self._mm.segment_allowed(new, pool.reserved_bytes, free):
             self._refill(sources, stream)
             return None
         loose: list[tuple[int, int, _Taken | None]] = []    # (handle, bytes, origin)
@@ -365,11 +371,14 @@ class ExpandableSegments:
         if not mm.segment_allowed(extra, mm.pool.reserved_bytes, free):
             return None
         size = _round_up(max(mm.usable_memory, extra), self.page)
+        if self.per_growth:
+            extra = self._growth_step(extra, nbytes, size, free)
         try:
             address = self._call(self._dev.vm_reserve, size)
         except DriverOutOfMemory:
             return None
-        seg = _Segment(address, size, stream, track_bounds=self.handle_size > self.page)
+        seg = _Segment(address, size, stream,
+                       track_bounds=self.per_growth or self.handle_size > self.page)
         created: list[tuple[int, int]] = []
         try:
             for n in self._handle_sizes(extra):
@@ -395,8 +404,27 @@ class ExpandableSegments:
         self.segment_events += 1
         return buf
 
+    def _growth_step(self, new: int, request: int, room: int, free: int) -> int:
+        """Bytes of the one handle a per-growth miss makes at a segment's end (``new`` are
+        needed, ``room`` fit in the reservation): for a request that plain segments would
+        share a segment with others of its size (below ``large_threshold``), what that
+        segment holds, so that such requests grow the segment no more often than plain
+        segments call cuMemAlloc; else what is needed. ``new`` when the limits would refuse
+        the larger handle but not it."""
+        pool = self._mm.pool
+        step = pool.segment_size(request)
+        if step <= pool.round_size(request):
+            return new
+        bigger = min(max(new, _round_up(step, self.page)), room)
+        if bigger > new and not self._mm.segment_allowed(bigger, pool.reserved_bytes, free):
+            return new
+        return bigger
+
     def _handle_sizes(self, nbytes: int) -> list[int]:
-        """The sizes of the handles that new memory of ``nbytes`` (whole pages) is made of."""
+        """The sizes of the handles that new memory of ``nbytes`` (whole pages) is made of:
+        one when each growth is one handle."""
+        if self.per_growth:
+            return [nbytes] if nbytes else []
         return [min(self.handle_size, nbytes - o) for o in range(0, nbytes, self.handle_size)]
 
     def _unreserve(self, seg: _Segment) -> None:

@@ -29,7 +29,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
-from gpumem.config import MemoryConfig
+from gpumem.config import HANDLE_PER_GROWTH, MemoryConfig
 from gpumem.errors import InvalidInputError, TraceFormatError
 from gpumem.units import MiB, format_bytes, parse_size
 
@@ -41,8 +41,9 @@ PRESETS = ("default", "inference", "constrained")
 #: max_split_size values tried besides each preset's own
 GRID_MAX_SPLITS = (64 * MiB, 256 * MiB)
 #: expandable_handle_size tried besides one page (with expandable segments on): larger physical
-#: handles, fewer driver calls, less tight (docs/expandable_segments.md, "Handle size")
-GRID_HANDLE_SIZES = (20 * MiB,)
+#: handles, fewer driver calls, less tight; "growth" is one handle per growth
+#: (docs/expandable_segments.md, "Handle size")
+GRID_HANDLE_SIZES: tuple[int | str, ...] = (20 * MiB, HANDLE_PER_GROWTH)
 #: PyTorch settings tried (PYTORCH_CUDA_ALLOC_CONF values; "" is torch's default)
 TORCH_CONFS = ("", "expandable_segments:True", "max_split_size_mb:128", "max_split_size_mb:512",
                "roundup_power2_divisions:4", "roundup_power2_divisions:8",

@@ -119,16 +119,18 @@ def test_replay_expandable_segments_default_and_off(capsys, tmp_path):
 
 def test_replay_expandable_handle_size(capsys, tmp_path):
     """Level real (sim): --expandable-handle-size 20MiB replays with 20 MiB physical handles
-    (fewer driver calls than one page each, on the same trace); a size that does not parse is
-    a usage error naming the flag (exit 2, one line)."""
+    (fewer driver calls than one page each, on the same trace), and 'growth' with one handle
+    per growth (fewer still); a size that does not parse is a usage error naming the flag
+    (exit 2, one line)."""
     d = {}
-    for flag in ([], ["--expandable-handle-size", "20MiB"]):
+    for flag in ([], ["--expandable-handle-size", "20MiB"],
+                 ["--expandable-handle-size", "growth"]):
         out = tmp_path / f"r{len(d)}.json"
         code, _, err = run(capsys, "replay", "demo", "--device", "sim:80GiB", "--json", str(out),
                            *flag)
         assert code == 0, err
         d[len(d)] = json.loads(out.read_text())
-    assert d[1]["driver_calls"] < d[0]["driver_calls"]
+    assert d[2]["driver_calls"] < d[1]["driver_calls"] < d[0]["driver_calls"]
     code, _, err = run(capsys, "replay", "demo", "--expandable-handle-size", "lots")
     assert code == 2 and "--expandable-handle-size" in _one_error_line(err)
 

@@ -174,13 +174,13 @@ class FallbackPoolMachine(PoolMachine):
 
 
 class ExpandablePoolMachine(PoolMachine):
-    """The same rules with expandable segments on (one page per physical handle, or 6 MiB
-    handles), and handle creation and mapping failing at random: every rollback must leave
+    """The same rules with expandable segments on (one page per physical handle, 6 MiB
+    handles or one handle per growth), and handle creation and mapping failing at random: every rollback must leave
     the invariants (incl. mapped == pool bytes) intact."""
 
     @initialize(seed=st.integers(0, 2**32 - 1), max_pool_size=st.sampled_from([None, 16 * MiB]),
-                handle_size=st.sampled_from([0, 6 * MiB]))
-    def setup(self, seed: int, max_pool_size, handle_size: int) -> None:
+                handle_size=st.sampled_from([0, 6 * MiB, "growth"]))
+    def setup(self, seed: int, max_pool_size, handle_size: int | str) -> None:
         self.dev = gpumem_sim.SimDevice("128MiB", back_memory=True, fail_rate=0.05, seed=seed)
         self.dev.inject_vm(create_rate=0.03, map_rate=0.03)
         gpumem_sim.install(self.dev)

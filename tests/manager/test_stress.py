@@ -22,12 +22,14 @@ from stress_harness import run
     ("512MiB", 0.1, True, True, 0),       # expandable segments: holes, stitching, page faults
     ("160MiB", 0.0, False, True, 0),      # expandable segments under pressure
     ("512MiB", 0.1, True, True, 6 << 20),  # 3-page handles: whole-handle moves and trims
+    ("512MiB", 0.1, True, True, "growth"),  # one handle per growth: faults, moves, trims
+    ("160MiB", 0.0, False, True, "growth"),  # ... and under pressure
 ], ids=["clean", "faults+fallback", "pressure", "expandable-faults", "expandable-pressure",
-        "expandable-handles"])
+        "expandable-handles", "expandable-growth-handles", "expandable-growth-pressure"])
 def test_eight_threads_one_manager(sim_device, capacity, fail_rate, cpu_fallback, expandable,
                                    handle_size):
     """None: expandable segments as GPUMEM_TEST_EXPANDABLE_SEGMENTS says (ci/test.sh runs the
-    suite both ways); True: always on (with one page or 6 MiB per physical handle). After the
+    suite both ways); True: always on (one page, 6 MiB or one growth per physical handle). After the
     run every physical handle, mapping and reservation has gone back to the device."""
     res = run(ops=6000, seconds=8, workers=6, capacity=capacity, fail_rate=fail_rate,
               cpu_fallback=cpu_fallback, seed=3, expandable=expandable, handle_size=handle_size)

@@ -175,12 +175,12 @@ def test_tune_bad_input():
 
 def test_default_grid_covers_presets_expandable_split_sizes_and_release_before_grow():
     """The built-in gpumem grid: every preset, expandable off/on, the preset's max_split_size
-    and two others, release_before_grow on/off, and 20 MiB physical handles with expandable
-    segments on; no duplicates."""
+    and two others, release_before_grow on/off, and 20 MiB physical handles and one handle
+    per growth with expandable segments on; no duplicates."""
     grid = gpumem_grid()
     cfgs = [c.memory_config() for c in grid]
-    assert len({c.config for c in grid}) == len(grid) == 35
-    assert {c.expandable_handle_size for c in cfgs} == {0, 20 * MiB}
+    assert len({c.config for c in grid}) == len(grid) == 38
+    assert {c.expandable_handle_size for c in cfgs} == {0, 20 * MiB, "growth"}
     assert all(c.expandable_segments for c in cfgs if c.expandable_handle_size)
     assert {c.preset for c in grid} == {"default", "inference", "constrained"}
     assert {c.expandable_segments for c in cfgs} == {False, True}
@@ -205,8 +205,9 @@ def test_cli_tune_json_and_plot(capsys, tmp_path):
                          "--plot", str(png))
     assert code == 0, err
     doc = json.loads(out)
-    # the default preset's 12 + one with 20 MiB handles, and torch's default
-    assert len(doc["rows"]) == 12 + 1 + 1 and doc["capacity"] == 4 * GiB
+    # the default preset's 12 + one with 20 MiB handles + one handle per growth, and torch's
+    # default
+    assert len(doc["rows"]) == 12 + 2 + 1 and doc["capacity"] == 4 * GiB
     assert all(r["min_capacity_bytes"] is None for r in doc["rows"])
     assert "recommended" in err and png.stat().st_size > 10_000
 
