@@ -297,17 +297,18 @@ class ExpandableSegments:
         sources = self._take_mappings(seg, size, stream, keep, room)
         moved = sum(n for _, _, n in sources)
         new = max(size - moved, 0)
-        free = self._dev.mem_get_info()[0] if new else 0
-        if new and at_end and self.per_growth:
-            new = self._growth_step(new, request, room - moved, free)
         if (new and self._mm.config.release_before_grow
                 and pool.reserved_bytes + new > pool.peak_reserved_bytes):
             # past the high-water mark: idle small-pool segments go back to the device first
             # (the large pool cannot use them); release_before_grow's rule across the pools
             self._mm.release_cached(new, reason="release before expandable growth", small=True)
-        if new and not self._mm.segment_allowed(new, pool.reserved_bytes, free):
-            self._refill(sources, stream)
-            return None
+        if new:
+            free = self._dev.mem_get_info()[0]
+            if at_end and self.per_growth:
+                new = self._growth_step(new, request, room - moved, free)
+            if not self._mm.segment_allowed(new, pool.reserved_bytes, free):
+                self._refill(sources, stream)
+                return None
         loose: list[tuple[int, int, _Taken | None]] = []    # (handle, bytes, origin)
         done = 0
         try:
