@@ -216,6 +216,10 @@ def _check_device(manager: Any, segs: list[dict], reserved: int) -> None:
                         f"expandable segment {s['handle']:#x}: hole {b} is not whole pages")
                 else:
                     want.update(range(b["offset"] // page * page, b["offset"] + b["size"], page))
+            blocks = s["blocks"]
+            assert len(blocks) == 1 or blocks[-1]["state"] != "unmapped", (
+                f"expandable segment {s['handle']:#x} ends in a hole {blocks[-1]}: the span "
+                f"must shrink back (a growth at the end would be planned past it)")
             have = manager._expandable.pages(s["handle"])
             assert have == sorted(want), (
                 f"expandable segment {s['handle']:#x}: pages mapped at {have[:8]}..., blocks "

@@ -321,6 +321,10 @@ cdef int fill_unmapped(gm_pool* p, uint64_t handle, size_t offset, size_t size,
             f.heap_index = -1
             gm_max(p.stats.peak_reserved_bytes, p.stats.reserved_bytes.load())
             _coalesce_insert(p, f, hi)
+            # a fill into a hole that ended the segment leaves an unmapped tail: cut it, as a
+            # carve does, so no segment ends in a hole (an end growth planned past such a tail
+            # was mapped past the span once a carve cut it)
+            _drop_unmapped_tail(p, seg)
     _unlock(p)
     return rc
 
@@ -344,11 +348,6 @@ cdef tuple plan_fill(gm_pool* p, uint64_t handle, uint64_t stream, size_t nbytes
     seg = _find_segment(p, handle)
     k = _slot(p, stream)
     if seg != NULL and k >= 0 and page:
-        # a fill into a hole that ended the segment leaves an unmapped tail; cut it now, as a
-        # carve would, so that an end plan's offset is the span the pool keeps (a carve
-        # between this plan and the fill would cut it, and the growth would be mapped past
-        # the span the pool grows)
-        _drop_unmapped_tail(p, seg)
         hi = 2 * k + (0 if seg.is_small else 1)
         b = seg.first
         while b != NULL:

@@ -147,7 +147,8 @@ def test_a_fill_that_leaves_an_unmapped_tail_never_misplaces_a_later_growth():
     unmapped tail; a later growth at that segment's end was planned past the tail, a carve
     in between cut the tail off, and the growth was mapped where the pool did not put it
     (the pool and the device out of step, then a mapping refused for overlapping one:
-    gpumem tune's smallest-card search crashed). Now the plan cuts the tail first. Every
+    gpumem tune's smallest-card search crashed). Now a fill cuts such a tail, as a carve
+    does, and the invariant checker asserts no segment ends in a hole. Every
     invariant every 500 events and at the end; OOMs are expected on such a card."""
     from gpumem.observe.synth_traces import synthesize
     from gpumem.observe.trace import OP_ALLOC
