@@ -76,10 +76,8 @@ def handle_size_table(rows: list[tuple[str, object]], sizes: list[str], repeat: 
     """Per trace: plain segments, then expandable segments with each handle size (default
     preset otherwise): peak physical / peak live, driver calls and modeled driver time (and
     each over plain), events/s over plain (median of ``repeat`` interleaved pairs)."""
-    from gpumem.config import HANDLE_PER_GROWTH
-    from gpumem.units import parse_size
-    nbytes = [s if s == HANDLE_PER_GROWTH else parse_size(s, what="--handle-sizes")
-              for s in sizes]
+    from gpumem.config import parse_handle_size
+    nbytes = [parse_handle_size(s, what="--handle-sizes") for s in sizes]
     print("| trace | plain: ratio, calls, modeled ms | " + " | ".join(
         f"handles {s}: ratio, calls (x plain), modeled ms (x plain), events/s x plain"
         for s in sizes) + " |")

@@ -17,7 +17,7 @@ from typing import Any, Mapping
 from gpumem.errors import InvalidInputError, UnknownSettingWarning
 from gpumem.units import GiB, MiB, parse_size
 
-__all__ = ["MemoryConfig", "MAX_BYTES", "OTHER_VARIABLES", "HANDLE_PER_GROWTH"]
+__all__ = ["MemoryConfig", "MAX_BYTES", "OTHER_VARIABLES", "HANDLE_PER_GROWTH", "parse_handle_size"]
 
 #: GPUMEM_* variables read elsewhere (besides GPUMEM_<FIELD> of MemoryConfig): from_env does
 #: not warn about these. Add a variable here when a module starts reading one.
@@ -49,6 +49,18 @@ MAX_BYTES = 1 << 62
 
 #: MemoryConfig.expandable_handle_size for one physical handle per growth
 HANDLE_PER_GROWTH = "growth"
+
+
+def parse_handle_size(raw: str, what: str = "expandable_handle_size") -> int | str:
+    """An expandable_handle_size from text (environment, command lines): a size such as
+    ``20MiB`` (0: one page) or ``growth`` in any case. InvalidInputError names ``what``."""
+    if raw.strip().lower() == HANDLE_PER_GROWTH:
+        return HANDLE_PER_GROWTH
+    try:
+        return parse_size(raw, what=what)
+    except ValueError:
+        raise InvalidInputError(f"{what}: expected a size (e.g. 20MiB; 0: one page) or "
+                                f"{HANDLE_PER_GROWTH!r}, got {raw!r}") from None
 
 
 def _debug_env() -> bool:
@@ -315,13 +327,7 @@ def _parse_env_value(name: str, raw: str, current: Any) -> Any:
             raise InvalidInputError("expected a non-negative integer (at most 20 digits)")
         return int(raw)
     if name == "expandable_handle_size":
-        if raw.lower() == HANDLE_PER_GROWTH:
-            return HANDLE_PER_GROWTH
-        try:
-            return parse_size(raw, what=name)
-        except ValueError:
-            raise InvalidInputError(
-                f"expected a size (e.g. 20MiB; 0: one page) or {HANDLE_PER_GROWTH!r}") from None
+        return parse_handle_size(raw)
     if raw.lower() in ("none", ""):
         return None
     return parse_size(raw, what=name)

@@ -30,6 +30,7 @@ from typing import Any
 
 import gpumem_sim
 from gpumem import FallbackBuffer, MemoryConfig, MemoryManager
+from gpumem.config import parse_handle_size
 from gpumem.errors import DriverError, OutOfMemoryError
 from gpumem.units import MiB, parse_size
 
@@ -299,8 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     res = run(ops=args.ops, seconds=args.seconds, workers=args.workers, capacity=args.capacity,
               fail_rate=args.fail_rate, cpu_fallback=args.cpu_fallback, seed=args.seed,
               expandable=args.expandable,
-              handle_size=(args.handle_size if args.handle_size == "growth"
-                           else parse_size(args.handle_size, what="--handle-size")))
+              handle_size=parse_handle_size(args.handle_size, what="--handle-size"))
     print(f"capacity={args.capacity} fail_rate={args.fail_rate} "
           f"cpu_fallback={args.cpu_fallback} seed={args.seed} "
           f"expandable={'default' if args.expandable is None else args.expandable} "

@@ -102,21 +102,16 @@ def replay_cfg(args: argparse.Namespace) -> Any:
     if choice is None and handle is None:
         return args.config
     from gpumem.observe.replay import replay_config
-    from gpumem.units import parse_size
     changes: dict[str, Any] = {}
     if choice is not None:
         changes["expandable_segments"] = bool(choice)
     if handle is not None:
-        from gpumem.config import HANDLE_PER_GROWTH
-        if handle.strip().lower() == HANDLE_PER_GROWTH:
-            changes["expandable_handle_size"] = HANDLE_PER_GROWTH
-        else:
-            try:
-                changes["expandable_handle_size"] = parse_size(
-                    handle, what="--expandable-handle-size")
-            except ValueError as exc:
-                raise CliError(f"{exc} (or {HANDLE_PER_GROWTH!r}: one handle per growth)",
-                               EXIT_USAGE) from None
+        from gpumem.config import parse_handle_size
+        try:
+            changes["expandable_handle_size"] = parse_handle_size(
+                handle, what="--expandable-handle-size")
+        except ValueError as exc:
+            raise CliError(str(exc), EXIT_USAGE) from None
     return replay_config(args.config).replace(**changes)
 
 
