@@ -402,14 +402,16 @@ def run_sim(timer: Timer, args) -> dict:
     dev = sim_device_string()
     # GPUMEM_EXPANDABLE_SEGMENTS=1 measures every manager below with expandable segments on
     # (the configs are explicit, so the variable is read here: issue 11's hit-path comparison)
-    expandable = MemoryConfig.from_env().expandable_segments
+    segments = MemoryConfig.from_env().segment_policy
+    expandable = segments != "plain"
 
     def config(track: bool = False) -> MemoryConfig:
-        return MemoryConfig(track_allocations=track, expandable_segments=expandable)
+        return MemoryConfig(track_allocations=track, segments=segments)
 
     summary["expandable_segments"] = expandable
-    NOTES.append(f"expandable segments {'on' if expandable else 'off'} in every gpumem row "
-                 f"(GPUMEM_EXPANDABLE_SEGMENTS)")
+    summary["segments"] = segments
+    NOTES.append(f"segments={segments!r} in every gpumem row (GPUMEM_SEGMENTS, "
+                 f"GPUMEM_EXPANDABLE_SEGMENTS)")
     peers = [GpumemPeer(dev, config=config()),
              GpumemPeer(dev, name="gpumem, history off", config=config(), history=False)]
     track = GpumemPeer(dev, name="gpumem tracking on", config=config(track=True))

@@ -2,10 +2,11 @@
 # The stress test of tests/manager/test_stress.py at scale (not part of the default test run):
 # 8 threads on one manager of a host-backed simulated GPU, patterns checked before every
 # free, in four configurations: driver faults with CPU fallback on and off, and near-100 %
-# pressure with fallback on and off, with expandable segments (the default: holes, stitching,
-# page-creation and map faults); twice more with 6 MiB physical handles (whole-handle moves and
-# trims) and twice with one handle per growth; then the faults and pressure runs again with
-# plain segments.
+# pressure with fallback on and off, with the default segment policy (auto: large handles while
+# there is room, compaction with holes, stitching and page faults near the limits, which the
+# 192 MiB runs live in); twice with one page per handle (tight); twice more with 6 MiB physical
+# handles (whole-handle moves and trims) and twice with one handle per growth (fast); then the
+# faults and pressure runs again with plain segments.
 # Usage: bash ci/soak.sh [SECONDS]   (default: 1,000,000 operations per configuration;
 #                                     with SECONDS, each configuration runs that long instead)
 set -euo pipefail
@@ -23,6 +24,8 @@ run --capacity 1GiB --fail-rate 0.02 --cpu-fallback --seed 1
 run --capacity 1GiB --fail-rate 0.02 --seed 2
 run --capacity 192MiB --fail-rate 0.01 --cpu-fallback --seed 3
 run --capacity 192MiB --fail-rate 0.01 --seed 4
+run --capacity 1GiB --fail-rate 0.02 --cpu-fallback --seed 11 --handle-size 0
+run --capacity 192MiB --fail-rate 0.01 --seed 12 --handle-size 0
 run --capacity 1GiB --fail-rate 0.02 --cpu-fallback --seed 7 --handle-size 6MiB
 run --capacity 192MiB --fail-rate 0.01 --seed 8 --handle-size 6MiB
 run --capacity 1GiB --fail-rate 0.02 --cpu-fallback --seed 9 --handle-size growth

@@ -17,7 +17,8 @@ from typing import Any, Mapping
 from gpumem.errors import InvalidInputError, UnknownSettingWarning
 from gpumem.units import GiB, MiB, parse_size
 
-__all__ = ["MemoryConfig", "MAX_BYTES", "OTHER_VARIABLES", "HANDLE_PER_GROWTH", "parse_handle_size"]
+__all__ = ["MemoryConfig", "MAX_BYTES", "OTHER_VARIABLES", "HANDLE_PER_GROWTH", "SEGMENT_POLICIES",
+           "parse_handle_size"]
 
 #: GPUMEM_* variables read elsewhere (besides GPUMEM_<FIELD> of MemoryConfig): from_env does
 #: not warn about these. Add a variable here when a module starts reading one.
@@ -36,6 +37,7 @@ OTHER_VARIABLES = frozenset({
     "GPUMEM_DUMP_ON_OOM",       # history and snapshot dumps on OOM (gpumem.observe.history)
     "GPUMEM_TEST_DEVICES",      # the pytest plug-in (gpumem.testing)
     "GPUMEM_TEST_EXPANDABLE_SEGMENTS",  # tests: 0 runs the suite with expandable segments off
+    "GPUMEM_TEST_SEGMENTS",     # tests: the segment policy of the shared base configs
     "GPUMEM_TEST_SANITIZED",    # tests: ci/sanitize.sh's run (timing bounds widened)
     "GPUMEM_FRAMEWORK_EXTRAS",  # ci/gpu.sh
     "GPUMEM_TEST_INSTALLED",    # tests: gpumem must be an installed wheel (ci/package.sh)
@@ -49,6 +51,13 @@ MAX_BYTES = 1 << 62
 
 #: MemoryConfig.expandable_handle_size for one physical handle per growth
 HANDLE_PER_GROWTH = "growth"
+
+#: MemoryConfig.segments: how the large pool gets memory from the device (docs/segments.md).
+#: ``auto``: large physical handles while there is room, compaction near the limits;
+#: ``tight``: one page per handle, always compacting; ``fast``: one handle per growth, never
+#: compacting before the OOM ladder; ``plain``: one driver allocation per segment (no virtual
+#: memory; what devices without it always use)
+SEGMENT_POLICIES = ("auto", "tight", "fast", "plain")
 
 
 def parse_handle_size(raw: str, what: str = "expandable_handle_size") -> int | str:
@@ -100,17 +109,11 @@ class MemoryConfig:
     max_pool_size: int | None = None        # cached (free) bytes kept; None: no cap
     release_before_grow: bool = True        # before growing past the reserved high-water mark,
                                             # return idle segments that offset the growth
-    expandable_segments: bool = True        # large pool: one segment per stream that grows in
-                                            # place by mapping pages where the device has
-                                            # virtual memory (cuda, sim); elsewhere (OpenCL,
-                                            # host) plain segments whatever this says
-    expandable_handle_size: int | str = 0   # largest physical handle an expandable segment
-                                            # creates (whole pages); 0: one page. Larger
-                                            # handles: fewer driver calls, but a handle moves
-                                            # and goes back only when wholly free. "growth":
-                                            # one handle per growth, at least what a plain
-                                            # segment would hold (plain's driver calls)
-                                            # (docs/expandable_segments.md, "Handle size")
+    segments: str = "auto"                  # SEGMENT_POLICIES: the large pool's segment policy
+    # the two settings `segments` names by intent (None: as `segments` says): False means
+    # plain; a size means tight with handles of that size (0: one page), "growth" means fast
+    expandable_segments: bool | None = None
+    expandable_handle_size: int | str | None = None
     # pressure: fractions of usable memory where MEDIUM, HIGH, CRITICAL begin
     pressure_thresholds: tuple[float, float, float] = (0.60, 0.80, 0.95)
     auto_release_at_high: bool = True       # at HIGH, trim the cache to high_cache_fraction
@@ -124,20 +127,23 @@ class MemoryConfig:
             raise InvalidInputError(
                 f"gpu_memory_fraction must be a number in (0, 1], got {f!r}")
         for name in ("cpu_fallback_enabled", "track_allocations", "track_stacks",
-                     "release_before_grow", "expandable_segments",
-                     "auto_release_at_high", "auto_cleanup_at_critical"):
+                     "release_before_grow", "auto_release_at_high", "auto_cleanup_at_critical"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidInputError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.expandable_segments is not None and not isinstance(self.expandable_segments, bool):
+            raise InvalidInputError(f"expandable_segments must be a bool or None, got "
+                                    f"{self.expandable_segments!r}")
         for name in ("min_free_bytes", "granularity", "small_size", "small_segment",
                      "large_segment", "large_threshold", "large_round", "large_split_min",
                      "oversize_slack", "max_pooled_per_bucket"):
             self._check_int(name, getattr(self, name))
-        if self.expandable_handle_size != HANDLE_PER_GROWTH:
+        if self.expandable_handle_size not in (None, HANDLE_PER_GROWTH):
             if isinstance(self.expandable_handle_size, str):
                 raise InvalidInputError(
-                    f"expandable_handle_size must be an int number of bytes or "
-                    f"{HANDLE_PER_GROWTH!r}, got {self.expandable_handle_size!r}")
+                    f"expandable_handle_size must be an int number of bytes, "
+                    f"{HANDLE_PER_GROWTH!r} or None, got {self.expandable_handle_size!r}")
             self._check_int("expandable_handle_size", self.expandable_handle_size)
+        self._resolve_segments()
         for name in ("reserve_bytes", "max_split_size", "max_pool_size"):
             if getattr(self, name) is not None:
                 self._check_int(name, getattr(self, name))
@@ -166,6 +172,45 @@ class MemoryConfig:
         if isinstance(h, bool) or not isinstance(h, (int, float)) or not math.isfinite(h) \
                 or not 0.0 <= h <= 1.0:
             raise InvalidInputError(f"high_cache_fraction must be in [0, 1], got {h!r}")
+
+    def _resolve_segments(self) -> tuple[str, int]:
+        """``(policy, handle bytes of the tight policy, 0: one page)`` from ``segments`` and
+        the two older settings; InvalidInputError when they contradict each other."""
+        seg, on, handle = self.segments, self.expandable_segments, self.expandable_handle_size
+        if seg not in SEGMENT_POLICIES:
+            raise InvalidInputError(f"segments must be one of {', '.join(SEGMENT_POLICIES)}, "
+                                    f"got {seg!r}")
+        implied = (None if handle is None else
+                   "fast" if handle == HANDLE_PER_GROWTH else "tight")
+        if on is False:
+            if seg not in ("auto", "plain") or implied is not None:
+                raise InvalidInputError(
+                    f"expandable_segments=False means segments='plain', which contradicts "
+                    f"segments={seg!r}" + (f" and expandable_handle_size={handle!r}"
+                                           if implied else "") + "; set only segments")
+            return "plain", 0
+        if implied is not None:
+            if seg not in ("auto", implied):
+                raise InvalidInputError(
+                    f"expandable_handle_size={handle!r} means segments={implied!r}, which "
+                    f"contradicts segments={seg!r}; set only segments")
+            return implied, (handle if implied == "tight" else 0)
+        if seg == "plain" and on is True:
+            raise InvalidInputError("segments='plain' contradicts expandable_segments=True; "
+                                    "set only segments")
+        return seg, 0
+
+    @property
+    def segment_policy(self) -> str:
+        """The large pool's policy in force: one of :data:`SEGMENT_POLICIES` (``segments``,
+        or what ``expandable_segments`` / ``expandable_handle_size`` say when set)."""
+        return self._resolve_segments()[0]
+
+    @property
+    def tight_handle_size(self) -> int:
+        """Bytes of the physical handles the tight policy (and auto near its limits) makes:
+        0 for one page of the device's granularity, else ``expandable_handle_size``."""
+        return self._resolve_segments()[1]
 
     @staticmethod
     def _check_int(name: str, value: Any) -> None:
@@ -303,10 +348,11 @@ _BOOLS = {"1": True, "true": True, "yes": True, "on": True,
           "0": False, "false": False, "no": False, "off": False}
 _FLOAT_FIELDS = {"gpu_memory_fraction", "high_cache_fraction"}
 _COUNT_FIELDS = {"max_pooled_per_bucket"}
+_OPTIONAL_BOOL_FIELDS = {"expandable_segments"}
 
 
 def _parse_env_value(name: str, raw: str, current: Any) -> Any:
-    if isinstance(current, bool):
+    if isinstance(current, bool) or name in _OPTIONAL_BOOL_FIELDS:
         if raw.lower() not in _BOOLS:
             raise InvalidInputError("expected a boolean (1/0, true/false, yes/no, on/off)")
         return _BOOLS[raw.lower()]
@@ -328,6 +374,8 @@ def _parse_env_value(name: str, raw: str, current: Any) -> Any:
         return int(raw)
     if name == "expandable_handle_size":
         return parse_handle_size(raw)
+    if name == "segments":
+        return raw.lower()
     if raw.lower() in ("none", ""):
         return None
     return parse_size(raw, what=name)

@@ -28,13 +28,13 @@ sys.path.insert(0, os.path.dirname(__file__))   # `import invariants` from any t
 
 import gpumem_sim  # noqa: E402
 from gpumem import MemoryConfig, MemoryManager  # noqa: E402
-from invariants import (TEST_EXPANDABLE, device_string, libcuda_is_fake,  # noqa: E402
+from invariants import (TEST_SEGMENTS, device_string, libcuda_is_fake,  # noqa: E402
                         require_backend, selected_backends)
 
-#: A config that uses the whole device and makes out-of-memory visible (with expandable segments
-#: when GPUMEM_TEST_EXPANDABLE_SEGMENTS=1: see invariants.TEST_EXPANDABLE).
+#: A config that uses the whole device and makes out-of-memory visible (with the segment policy
+#: of invariants.TEST_SEGMENTS).
 PERMISSIVE = dict(min_free_bytes=0, gpu_memory_fraction=1.0, cpu_fallback_enabled=False,
-                  track_allocations=False, expandable_segments=TEST_EXPANDABLE)
+                  track_allocations=False, segments=TEST_SEGMENTS)
 
 
 def permissive_config(**changes) -> MemoryConfig:

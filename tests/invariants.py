@@ -122,15 +122,19 @@ def real_cuda_driver(backend: str) -> bool:
     return backend == "cuda" and libcuda_is_fake() is False
 
 
-#: Expandable segments in the shared base configs (EXACT, QUIET, conftest's PERMISSIVE): on, as
-#: the library's default; GPUMEM_TEST_EXPANDABLE_SEGMENTS=0 runs the suite with them off
-#: (ci/test.sh's second pass on sim and on the fake driver).
-TEST_EXPANDABLE = os.environ.get("GPUMEM_TEST_EXPANDABLE_SEGMENTS", "1") != "0"
+#: The segment policy of the shared base configs (EXACT, QUIET, conftest's PERMISSIVE): the
+#: library's default (auto) unless GPUMEM_TEST_SEGMENTS names another (tight, fast, plain);
+#: GPUMEM_TEST_EXPANDABLE_SEGMENTS=0 still means plain (ci/test.sh's second pass on sim and on
+#: the fake driver). Tests of one policy's mechanics name it themselves.
+TEST_SEGMENTS = ("plain" if os.environ.get("GPUMEM_TEST_EXPANDABLE_SEGMENTS", "1") == "0"
+                 else os.environ.get("GPUMEM_TEST_SEGMENTS", "auto"))
+#: whether the base configs use expandable segments (where the device has virtual memory)
+TEST_EXPANDABLE = TEST_SEGMENTS != "plain"
 
 #: Usable memory is exactly the device's capacity (no fraction, no reserve, no min free), and an
 #: out-of-memory is an error a test sees (no CPU fallback).
 EXACT = dict(min_free_bytes=0, gpu_memory_fraction=1.0, reserve_bytes=0,
-             cpu_fallback_enabled=False, expandable_segments=TEST_EXPANDABLE)
+             cpu_fallback_enabled=False, segments=TEST_SEGMENTS)
 #: ``EXACT`` with the automatic responses off: the driver is asked only what the test causes.
 QUIET = dict(EXACT, release_before_grow=False, auto_release_at_high=False,
              auto_cleanup_at_critical=False)

@@ -101,20 +101,26 @@ def _size(rng: random.Random, max_size: int) -> int:
 def run(*, ops: int = 20_000, seconds: float | None = None, workers: int = 6,
         capacity: str = "1GiB", max_size: int = 64 * MiB, live_per_worker: int = 12,
         fail_rate: float = 0.0, cpu_fallback: bool = False, seed: int = 0,
-        expandable: bool | None = None, handle_size: int | str = 0,
+        expandable: bool | None = None, handle_size: int | str | None = None,
         verbose: bool = False) -> StressResult:
     """One run; ``ops`` is the total across allocator threads (``seconds`` caps it).
     ``expandable``: expandable segments (holes, stitching; ``fail_rate`` then also fails page
     creation and mapping); None: as GPUMEM_TEST_EXPANDABLE_SEGMENTS says. ``handle_size``:
-    MemoryConfig.expandable_handle_size (0: one page per physical handle)."""
+    MemoryConfig.expandable_handle_size (0: one page per physical handle, the tight policy;
+    "growth": the fast one; None: the policy of invariants.TEST_SEGMENTS, auto by default)."""
     if expandable is None:
         from invariants import TEST_EXPANDABLE
         expandable = TEST_EXPANDABLE
+    from invariants import TEST_SEGMENTS
+    segments = (TEST_SEGMENTS if TEST_SEGMENTS != "plain" else "auto") if expandable else "plain"
+    if handle_size is not None:
+        segments = "auto"                   # the handle size names the policy
     dev = gpumem_sim.SimDevice(parse_size(capacity), back_memory=True, seed=seed)
     gpumem_sim.install(dev)
     config = MemoryConfig(min_free_bytes=0, gpu_memory_fraction=1.0,
                           cpu_fallback_enabled=cpu_fallback, track_allocations=False,
-                          expandable_segments=expandable, expandable_handle_size=handle_size)
+                          segments=segments,
+                          expandable_handle_size=handle_size if expandable else None)
     mm = MemoryManager("sim:0", config)
     streams = [0] + [dev.create_stream() for _ in range(3)]
     result = StressResult(threads=workers + 2)
@@ -293,18 +299,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--expandable", action=argparse.BooleanOptionalAction, default=None,
                     help="expandable segments on / off (default: as "
                          "GPUMEM_TEST_EXPANDABLE_SEGMENTS says: on unless it is 0)")
-    ap.add_argument("--handle-size", default="0",
-                    help="MemoryConfig.expandable_handle_size, e.g. 6MiB (0: one page; "
-                         "'growth': one handle per growth)")
+    ap.add_argument("--handle-size", default=None,
+                    help="MemoryConfig.expandable_handle_size, e.g. 6MiB (0: one page, the "
+                         "tight policy; 'growth': the fast one; default: the auto policy)")
     args = ap.parse_args(argv)
     res = run(ops=args.ops, seconds=args.seconds, workers=args.workers, capacity=args.capacity,
               fail_rate=args.fail_rate, cpu_fallback=args.cpu_fallback, seed=args.seed,
               expandable=args.expandable,
-              handle_size=parse_handle_size(args.handle_size, what="--handle-size"))
+              handle_size=None if args.handle_size is None
+              else parse_handle_size(args.handle_size, what="--handle-size"))
     print(f"capacity={args.capacity} fail_rate={args.fail_rate} "
           f"cpu_fallback={args.cpu_fallback} seed={args.seed} "
           f"expandable={'default' if args.expandable is None else args.expandable} "
-          f"handle_size={args.handle_size}: {res}")
+          f"handle_size={args.handle_size or 'default (auto)'}: {res}")
     for f in res.failures[:20]:
         print("  " + f)
     return 1 if res.failures else 0

@@ -41,6 +41,7 @@ class VM:
 @pytest.fixture(params=["sim", "cuda"])
 def vm(request) -> Any:
     marker = request.node.get_closest_marker("handle_size")
+    # a handle size names the policy (0: tight, one page; "growth": fast); None: auto
     handle_size = marker.args[0] if marker else 0
     if request.param == "sim":
         dev, mm = sim_manager("1GiB", back_memory=True, expandable_segments=True,
@@ -92,11 +93,13 @@ def layout(mm: MemoryManager) -> list[tuple[int, int, str]]:
     return [(b["offset"], b["size"], b["state"]) for b in seg["blocks"]]
 
 
-def random_walk(mm: MemoryManager, steps: int = 300, seed: int = 7) -> None:
+def random_walk(mm: MemoryManager, steps: int = 300, seed: int = 7, *,
+                stitches: bool | None = True) -> None:
     """A seeded random walk of large and small mallocs, frees, empty_cache and shrink: after
     every step the invariant checker passes (physical = mapped, holes whole pages, counters
-    exact) and every live buffer still holds the bytes written into it; holes and stitching
-    both happen (the walk is long enough); at the end everything goes back."""
+    exact) and every live buffer still holds the bytes written into it; holes happen, and
+    stitching too when ``stitches`` (never when False; None: either), the walk being long
+    enough; at the end everything goes back."""
     rng = random.Random(seed)
     live: list[tuple[Any, bytes]] = []
     holes_seen = False
@@ -120,7 +123,8 @@ def random_walk(mm: MemoryManager, steps: int = 300, seed: int = 7) -> None:
                           for b in s["blocks"])
         check(mm, [b for b, _ in live])
     intact(live)
-    assert holes_seen and mm._expandable.stitched_bytes > 0
+    assert holes_seen
+    assert stitches is None or (mm._expandable.stitched_bytes > 0) == stitches
     for buf, _ in live:
         buf.free()
     assert mm.empty_cache() >= 0 and mm.pool.reserved_bytes == 0

@@ -60,7 +60,7 @@ from gpumem.errors import DriverError, DriverOutOfMemory, InvalidInputError
 if TYPE_CHECKING:
     from gpumem.manager.growth import Growth
 
-__all__ = ["ExpandableSegments", "STITCH_RATIO"]
+__all__ = ["ExpandableSegments", "STITCH_RATIO", "ROOMY_HANDLE_SHARE"]
 
 # Per-page driver costs (the published A100 figures, gpumem_sim CUDA_DRIVER_COSTS_A100, 2 MiB
 # pages, in us): making a page where a request needs it costs cuMemCreate + cuMemMap +
@@ -83,6 +83,12 @@ _MOVE_US = 25.63 + 1.45 + 35.99
 #: 2.21 with the table above. docs/expandable_segments.md shows the figures for other values.
 STITCH_RATIO = _CREATE_US / (_CREATE_US - 2 * _MOVE_US)
 
+
+#: ``segments="auto"``: a cheap growth's handle is at most this share of the room left. A
+#: handle is moved or given back only whole, so one that a live block pins strands its whole
+#: size; 1/32 keeps such a handle within 3 % of what is left, the margin auto may need on a
+#: card beyond what the tight policy needs (issue 31's bound; a design bound, not fitted)
+ROOMY_HANDLE_SHARE = 1 / 32
 
 #: plans tried for one miss before it is left to the OOM ladder (a concurrent hit took the
 #: free neighbours each time)
@@ -157,11 +163,17 @@ class ExpandableSegments:
         self._mm = growth                   # the manager's segment growth (its Growth calls)
         self._dev = growth.device
         self.page = self._dev.vm_granularity()
-        asked = growth.config.expandable_handle_size
-        #: one handle per growth (MemoryConfig.expandable_handle_size == "growth")
-        self.per_growth = asked == HANDLE_PER_GROWTH
-        #: the largest physical handle made (MemoryConfig.expandable_handle_size; whole pages)
-        self.handle_size = 0 if self.per_growth else max(asked // self.page, 1) * self.page
+        cfg = growth.config
+        #: MemoryConfig.segment_policy: "auto", "tight" or "fast" (see _roomy)
+        self.policy = cfg.segment_policy
+        #: the handles of the tight regime (MemoryConfig.tight_handle_size; whole pages)
+        self.handle_size = max(cfg.tight_handle_size // self.page, 1) * self.page
+        #: the roomy regime grows in multiples of a plain large segment (20 MiB by default,
+        #: PyTorch's large page): as many growths as plain segments make cuMemAllocs
+        self.quantum = _round_up(cfg.large_segment, self.page)
+        self.roomy_growths = 0                         # misses served the cheap way
+        self.tight_growths = 0                         # misses served compacting
+        self.cache_high = 0                            # the most cached at a miss (_roomy)
         self._segments: dict[int, _Segment] = {}     # handle -> segment
         self._by_stream: dict[int, list[int]] = {}   # stream -> its segments' handles, oldest first
         self.driver_calls = 0                          # vm_* calls made (figures, tests)
@@ -294,21 +306,31 @@ class ExpandableSegments:
         limits or the driver refuse; other errors propagate after the rollback."""
         pool = self._mm.pool
         room = seg.reserved - offset if at_end else None
-        sources = self._take_mappings(seg, size, stream, keep, room)
+        free = self._dev.mem_get_info()[0] if self.policy == "auto" else None
+        roomy = self._roomy(size, request, room, free)
+        # roomy: no page moves (a move costs the driver more than a new handle, H200 table)
+        sources = [] if roomy else self._take_mappings(seg, size, stream, keep, room)
         moved = sum(n for _, _, n in sources)
         new = max(size - moved, 0)
-        if (new and self._mm.config.release_before_grow
+        if (new and not roomy and self._mm.config.release_before_grow
                 and pool.reserved_bytes + new > pool.peak_reserved_bytes):
             # past the high-water mark: idle small-pool segments go back to the device first
             # (the large pool cannot use them); release_before_grow's rule across the pools
-            self._mm.release_cached(new, reason="release before expandable growth", small=True)
+            if self._mm.release_cached(new, reason="release before expandable growth",
+                                       small=True):
+                free = None                 # read again: the release made room
         if new:
-            free = self._dev.mem_get_info()[0]
-            if at_end and self.per_growth:
+            if free is None:
+                free = self._dev.mem_get_info()[0]
+            if at_end and roomy:
                 new = self._growth_step(new, request, room - moved, free)
             if not self._mm.segment_allowed(new, pool.reserved_bytes, free):
                 self._refill(sources, stream)
                 return None
+        if roomy:
+            self.roomy_growths += 1
+        else:
+            self.tight_growths += 1
         loose: list[tuple[int, int, _Taken | None]] = []    # (handle, bytes, origin)
         done = 0
         try:
@@ -319,7 +341,7 @@ class ExpandableSegments:
                 handle, _ = src.take(off)
                 loose.append((handle, n, (src, off, n)))
                 done += 1
-            for n in self._handle_sizes(new):
+            for n in self._handle_sizes(new, roomy):
                 loose.append((self._call(self._dev.vm_create, n), n, None))
             # one call maps every handle of the range (moved ones first, then the new one)
             # and grants access to the range at once; on failure none of them is mapped
@@ -372,17 +394,21 @@ class ExpandableSegments:
         if not mm.segment_allowed(extra, mm.pool.reserved_bytes, free):
             return None
         size = _round_up(max(mm.usable_memory, extra), self.page)
-        if self.per_growth:
+        roomy = self._roomy(extra, nbytes, size, free)
+        if roomy:
             extra = self._growth_step(extra, nbytes, size, free)
+            self.roomy_growths += 1
+        else:
+            self.tight_growths += 1
         try:
             address = self._call(self._dev.vm_reserve, size)
         except DriverOutOfMemory:
             return None
         seg = _Segment(address, size, stream,
-                       track_bounds=self.per_growth or self.handle_size > self.page)
+                       track_bounds=self.policy != "tight" or self.handle_size > self.page)
         created: list[tuple[int, int]] = []
         try:
-            for n in self._handle_sizes(extra):
+            for n in self._handle_sizes(extra, roomy):
                 created.append((self._call(self._dev.vm_create, n), n))
             self._map_many(address, created)
         except BaseException as exc:
@@ -405,26 +431,48 @@ class ExpandableSegments:
         self.segment_events += 1
         return buf
 
+    def _roomy(self, need: int, request: int, room: int | None, free: int | None) -> bool:
+        """Whether a miss that maps ``need`` bytes is served the cheap way (one handle, no
+        page moves, no release before growing) rather than compacting (pages moved into the
+        gap, one-page handles that can move and go back later). ``fast`` always, ``tight``
+        never. ``auto`` while both hold (docs/segments.md, "The rule"):
+
+        - the room left after the growth could still hold the largest cache this manager has
+          had (its workload's own measure of what its shapes leave free at once): until then
+          the cache does not decide whether the workload fits, so squeezing it buys nothing;
+        - the handle is at most ROOMY_HANDLE_SHARE of the room left: a handle moves and goes
+          back only whole, so one that a live block pins strands at most its own size.
+        """
+        if self.policy != "auto":
+            return self.policy == "fast"
+        mm = self._mm
+        pool = mm.pool
+        cache = pool.reserved_bytes - pool.in_use_bytes
+        if cache > self.cache_high:
+            self.cache_high = cache
+        step = self._growth_step(need, request, room, free) if room is not None else need
+        left = min(mm.usable_memory - pool.reserved_bytes, free - mm.config.min_free_bytes)
+        return left - step >= self.cache_high and step <= left * ROOMY_HANDLE_SHARE
+
     def _growth_step(self, new: int, request: int, room: int, free: int) -> int:
-        """Bytes of the one handle a per-growth miss makes at a segment's end (``new`` are
-        needed, ``room`` fit in the reservation): for a request that plain segments would
-        share a segment with others of its size (below ``large_threshold``), what that
-        segment holds, so that such requests grow the segment no more often than plain
-        segments call cuMemAlloc; else what is needed. ``new`` when the limits would refuse
-        the larger handle but not it."""
+        """Bytes of the one handle a cheap miss makes at a segment's end (``new`` are needed,
+        ``room`` fit in the reservation): at least what a plain segment would hold for the
+        request (for one below ``large_threshold``, which plain segments share with others
+        of its size), rounded up to the quantum (a plain large segment), so that growths are
+        as few as plain segments' cuMemAllocs and the surplus is at most one quantum. ``new``
+        when the limits would refuse the larger handle but not it."""
         pool = self._mm.pool
-        step = pool.segment_size(request)
-        if step <= pool.round_size(request):
-            return new
-        bigger = min(max(new, _round_up(step, self.page)), room)
+        shared = pool.segment_size(request)
+        want = max(new, shared if shared > pool.round_size(request) else 0)
+        bigger = min(_round_up(want, self.quantum), room)
         if bigger > new and not self._mm.segment_allowed(bigger, pool.reserved_bytes, free):
             return new
-        return bigger
+        return max(bigger, new)
 
-    def _handle_sizes(self, nbytes: int) -> list[int]:
+    def _handle_sizes(self, nbytes: int, roomy: bool) -> list[int]:
         """The sizes of the handles that new memory of ``nbytes`` (whole pages) is made of:
-        one when each growth is one handle."""
-        if self.per_growth:
+        one when the miss is roomy, else handles of the tight regime's size."""
+        if roomy:
             return [nbytes] if nbytes else []
         return [min(self.handle_size, nbytes - o) for o in range(0, nbytes, self.handle_size)]
 

@@ -216,7 +216,7 @@ class SegmentGrowth:
                     "%s, so a %s request needs a new segment (%s can help)",
                     self.device.device_string, 100 * frag, format_bytes(pooled),
                     format_bytes(largest), format_bytes(nbytes),
-                    "MemoryConfig(expandable_segments=True)"
+                    "MemoryConfig(segments='auto')"
                     if self.expandable is None and self.device.supports_virtual_memory
                     else "MemoryConfig.max_split_size or empty_cache()")
         elif frag < FRAGMENTATION_WARNING / 2:

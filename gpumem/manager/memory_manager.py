@@ -142,7 +142,7 @@ class MemoryManager(ManagerCore):
                 f"device must be a device string such as 'sim:0' or a Device, got {device!r}")
         props = dev.properties()
         free, total = dev.mem_get_info()
-        expandable = config.expandable_segments and dev.supports_virtual_memory
+        expandable = config.segment_policy != "plain" and dev.supports_virtual_memory
         pool = CachingPool(
             granularity=max(config.granularity, props.alignment),
             small_size=config.small_size, small_segment=config.small_segment,

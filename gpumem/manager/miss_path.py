@@ -186,7 +186,7 @@ class MissPath:
             fragmented = cached >= nbytes > largest or (free is not None and free >= nbytes)
             if not on and fragmented:
                 reason += (" (enough bytes are free but not in one piece: "
-                           "MemoryConfig(expandable_segments=True) lets segments grow in place)")
+                           "MemoryConfig(segments='auto'), the default, lets segments grow in place)")
         err = OutOfMemoryError(nbytes, device=device.device_string, free=free, total=total,
                                in_use=in_use, cached=cached, limit=usable,
                                largest_free_block=largest, reason=reason)

@@ -140,7 +140,7 @@ def test_manager_with_expandable_segments_on_the_fake_driver(fake):  # noqa: F81
     from invariants import check
     before = _vmm(fake)
     mm = MemoryManager("cuda:0", MemoryConfig(cpu_fallback_enabled=False, min_free_bytes=0,
-                                              expandable_segments=True))
+                                              segments="tight"))
     try:
         assert mm._expandable is not None
         a = mm.malloc(30 * MiB)

@@ -123,7 +123,7 @@ def test_replay_expandable_handle_size(capsys, tmp_path):
     per growth (fewer still); a size that does not parse is a usage error naming the flag
     (exit 2, one line)."""
     d = {}
-    for flag in ([], ["--expandable-handle-size", "20MiB"],
+    for flag in (["--expandable-handle-size", "0"], ["--expandable-handle-size", "20MiB"],
                  ["--expandable-handle-size", "growth"]):
         out = tmp_path / f"r{len(d)}.json"
         code, _, err = run(capsys, "replay", "demo", "--device", "sim:80GiB", "--json", str(out),

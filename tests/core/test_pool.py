@@ -121,7 +121,7 @@ def test_large_requests_get_their_own_segment(make_manager, n):
 
 
 def test_large_round_config(make_manager):
-    mm = make_manager(large_round=2 * MiB)
+    mm = make_manager(large_round=2 * MiB, segments="tight")   # page-exact, like plain
     buf = mm.malloc(12 * MiB + 3)
     assert seg_of(mm, buf)["size"] == 14 * MiB
     check(mm, [buf])

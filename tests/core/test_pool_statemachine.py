@@ -174,20 +174,27 @@ class FallbackPoolMachine(PoolMachine):
 
 
 class ExpandablePoolMachine(PoolMachine):
-    """The same rules with expandable segments on (one page per physical handle, 6 MiB
-    handles or one handle per growth), and handle creation and mapping failing at random: every rollback must leave
-    the invariants (incl. mapped == pool bytes) intact."""
+    """The same rules with expandable segments on, under each segment policy: auto (with a 4
+    MiB quantum, so that on this 128 MiB card it grows in one handle while there is room and
+    compacts near the limit), tight (one page per physical handle, or 6 MiB handles) and fast
+    (one handle per growth), with handle creation and mapping failing at random (faults while
+    compacting included): every rollback must leave the invariants (incl. mapped == pool
+    bytes) intact."""
 
     @initialize(seed=st.integers(0, 2**32 - 1), max_pool_size=st.sampled_from([None, 16 * MiB]),
-                handle_size=st.sampled_from([0, 6 * MiB, "growth"]))
-    def setup(self, seed: int, max_pool_size, handle_size: int | str) -> None:
+                policy=st.sampled_from([("auto", None), ("tight", None), ("tight", 6 * MiB),
+                                        ("fast", None)]))
+    def setup(self, seed: int, max_pool_size, policy: tuple) -> None:
+        segments, handle_size = policy
+        quantum = dict(large_segment=4 * MiB, large_threshold=2 * MiB) if segments == "auto" \
+            else {}
         self.dev = gpumem_sim.SimDevice("128MiB", back_memory=True, fail_rate=0.05, seed=seed)
         self.dev.inject_vm(create_rate=0.03, map_rate=0.03)
         gpumem_sim.install(self.dev)
         self.mm = MemoryManager("sim:0", MemoryConfig(
             min_free_bytes=0, gpu_memory_fraction=1.0, track_allocations=False,
-            cpu_fallback_enabled=False, expandable_segments=True, max_pool_size=max_pool_size,
-            expandable_handle_size=handle_size))
+            cpu_fallback_enabled=False, segments=segments, max_pool_size=max_pool_size,
+            expandable_handle_size=handle_size, **quantum))
         assert self.mm._expandable is not None
         self.streams = [0, self.dev.create_stream(), self.dev.create_stream()]
         self.live = []

@@ -28,7 +28,7 @@ def test_segment_grows_in_place_and_bytes_cross_pages():
     """Large requests on one stream extend one segment: one reservation, pages mapped on
     demand, physical bytes = mapped bytes = the pool's reserved bytes; data written across a
     page border reads back."""
-    dev, mm = sim_manager("1GiB", back_memory=True, expandable_segments=True)
+    dev, mm = sim_manager("1GiB", back_memory=True, segments="tight")
     bufs = [mm.malloc(n) for n in (5 * MiB, 30 * MiB, 3 * MiB)]
     segs = mm.pool.segments()
     assert len(segs) == 1 and dev.live_reservations == 1
@@ -47,7 +47,7 @@ def test_segment_grows_in_place_and_bytes_cross_pages():
 def test_free_tail_is_extended_not_duplicated():
     """The case plain segments cannot serve without new memory: a request larger than the free
     tail grows the tail by the difference only."""
-    dev, mm = sim_manager("1GiB", expandable_segments=True)
+    dev, mm = sim_manager("1GiB", segments="tight")
     a = mm.malloc(40 * MiB)
     b = mm.malloc(20 * MiB)
     b.free()                                     # 20 MiB free at the end
@@ -62,7 +62,7 @@ def test_free_tail_is_extended_not_duplicated():
 
 
 def test_empty_cache_and_shrink_return_free_tail_pages():
-    dev, mm = sim_manager("1GiB", expandable_segments=True)
+    dev, mm = sim_manager("1GiB", segments="tight")
     a = mm.malloc(10 * MiB)
     b = mm.malloc(50 * MiB)
     b.free()
@@ -81,7 +81,7 @@ def test_empty_cache_and_shrink_return_free_tail_pages():
 
 
 def test_cache_cap_trims_tails_on_free():
-    dev, mm = sim_manager("1GiB", expandable_segments=True, max_pool_size=8 * MiB)
+    dev, mm = sim_manager("1GiB", segments="tight", max_pool_size=8 * MiB)
     a = mm.malloc(4 * MiB)
     b = mm.malloc(60 * MiB)
     b.free()
@@ -97,7 +97,7 @@ def test_failed_growth_rolls_back_completely(fault):
     second fails): the request fails with
     OutOfMemoryError and the pool, its counters and the device are exactly as before (no
     page, mapping or reservation left behind)."""
-    dev, mm = sim_manager("1GiB", expandable_segments=True)
+    dev, mm = sim_manager("1GiB", segments="tight")
     keep = mm.malloc(8 * MiB)
     before = (mm.stats().as_dict(), mm.pool.segments(), _leaks(dev), dev.live_bytes)
     dev.inject_vm(**fault)
@@ -116,7 +116,7 @@ def test_failed_growth_rolls_back_completely(fault):
 
 
 def test_failed_first_growth_frees_the_reservation():
-    dev, mm = sim_manager("1GiB", expandable_segments=True)
+    dev, mm = sim_manager("1GiB", segments="tight")
     dev.inject_vm(map_after=1)
     with pytest.raises(OutOfMemoryError):
         mm.malloc(40 * MiB)                        # two chunks: the second map fails
@@ -126,7 +126,7 @@ def test_failed_first_growth_frees_the_reservation():
 
 
 def test_map_error_that_is_not_oom_propagates_after_rollback():
-    dev, mm = sim_manager("1GiB", expandable_segments=True)
+    dev, mm = sim_manager("1GiB", segments="tight")
     dev.inject(fail_kind="error")
     dev.inject_vm(map_after=0)
     with pytest.raises(DriverError, match="injected failure mapping") as err:
@@ -140,7 +140,7 @@ def test_map_error_that_is_not_oom_propagates_after_rollback():
 def test_oom_ladder_trims_tails_of_other_streams():
     """A stream that needs memory gets it from another stream's free tail: the ladder's
     release step unmaps those pages, then the growth maps new ones."""
-    dev, mm = sim_manager("128MiB", expandable_segments=True)
+    dev, mm = sim_manager("128MiB", segments="tight")
     s = dev.create_stream()
     a = mm.malloc(20 * MiB)
     b = mm.malloc(90 * MiB)
@@ -154,7 +154,7 @@ def test_oom_ladder_trims_tails_of_other_streams():
 
 
 def test_small_requests_keep_plain_segments():
-    dev, mm = sim_manager("1GiB", expandable_segments=True)
+    dev, mm = sim_manager("1GiB", segments="tight")
     small = mm.malloc(4096)
     assert len(dev.segments()) == 1 and dev.live_reservations == 0
     check(mm, [small])
@@ -169,13 +169,13 @@ def test_option_is_on_by_default_where_the_device_has_virtual_memory(monkeypatch
     the option is ignored and plain segments serve the request."""
     import gpumem_sim
     from gpumem import MemoryManager
-    assert MemoryConfig().expandable_segments is True
+    assert MemoryConfig().segment_policy == "auto"
     monkeypatch.delenv("GPUMEM_EXPANDABLE_SEGMENTS", raising=False)
-    dev = gpumem_sim.SimDevice("1GiB")
+    dev = gpumem_sim.SimDevice("8GiB")             # roomy: auto grows in one handle
     mm = MemoryManager(dev)                         # MemoryConfig.from_env(): the default
     assert dev.supports_virtual_memory and mm._expandable is not None
     buf = mm.malloc(30 * MiB)
-    assert dev.live_segments == 0 and dev.mapped_bytes == 30 * MiB
+    assert dev.live_segments == 0 and dev.mapped_bytes == 40 * MiB     # auto: 2 quanta
     buf.free()
     mm.close()
     monkeypatch.setenv("GPUMEM_EXPANDABLE_SEGMENTS", "0")
@@ -186,7 +186,7 @@ def test_option_is_on_by_default_where_the_device_has_virtual_memory(monkeypatch
         assert dev.live_segments == 1 and dev.mapped_bytes == 0
         buf.free()
         mm.close()
-    mm = MemoryManager("cpu", MemoryConfig(expandable_segments=True))
+    mm = MemoryManager("cpu", MemoryConfig(segments="tight"))
     assert not mm.device.supports_virtual_memory
     assert mm._expandable is None                  # host memory has no VMM: plain segments
     buf = mm.malloc(30 * MiB)
@@ -201,7 +201,7 @@ def test_oom_message_suggests_the_option_when_fragmentation_is_the_cause():
     keep = [mm.malloc(30 * MiB) for _ in range(4)]
     keep[0].free()
     keep[2].free()                                 # 60 MiB cached, in two 30 MiB pieces
-    with pytest.raises(OutOfMemoryError, match="expandable_segments=True"):
+    with pytest.raises(OutOfMemoryError, match="segments='auto'"):
         mm.malloc(50 * MiB)
     mm.close()
 
@@ -209,7 +209,7 @@ def test_oom_message_suggests_the_option_when_fragmentation_is_the_cause():
 def test_threads_with_expandable_segments():
     """Four threads, two streams each growing its own segment, with random frees: no block
     is handed out twice (tags survive), and the invariants hold at the end."""
-    dev, mm = sim_manager("2GiB", back_memory=True, expandable_segments=True)
+    dev, mm = sim_manager("2GiB", back_memory=True, segments="tight")
     streams = [0, 0, dev.create_stream(), dev.create_stream()]
     start = threading.Barrier(4)
 
@@ -248,7 +248,7 @@ def test_a_hit_that_takes_the_free_tail_mid_growth_does_not_fail_the_request(mon
     path takes only the pool's lock) takes part of the tail. The growth must still serve the
     request by mapping pages that hold it alone, not give up with OutOfMemoryError while the
     device has room."""
-    dev, mm = sim_manager("1GiB", expandable_segments=True)
+    dev, mm = sim_manager("1GiB", segments="tight")
     a = mm.malloc(10 * MiB)
     b = mm.malloc(8 * MiB)
     b.free()                                     # an 8 MiB free tail at offset 10 MiB
@@ -281,7 +281,7 @@ def test_a_free_of_the_last_block_mid_growth_keeps_the_pool_and_the_device_in_st
     thread frees that last block. Stitching must not take pages from the new free tail:
     carving them would cut the segment's end back, and the pool would then record the new
     pages below where the device mapped them."""
-    dev, mm = sim_manager("1GiB", expandable_segments=True)
+    dev, mm = sim_manager("1GiB", segments="tight")
     a = mm.malloc(4 * MiB)
     b = mm.malloc(4 * MiB)                       # the last block, live
     exp = mm._expandable
@@ -327,7 +327,7 @@ def test_growth_past_a_block_of_another_stream_keeps_whole_free_bytes():
     segment's only block, free, is cached for another stream; the segment is no longer wholly
     free, and the pool's whole_free_bytes counter (read without the lock by the cache cap
     and release_before_grow) must say so."""
-    dev, mm = sim_manager("1GiB", expandable_segments=True)
+    dev, mm = sim_manager("1GiB", segments="tight")
     _segment_cached_for_a_busy_stream(dev, mm, MiB + 1)
     c = mm.malloc(MiB + 1)                       # grows the segment past s2's free block
     [seg] = mm.pool.segments()
@@ -345,7 +345,7 @@ def test_trim_back_to_a_block_of_another_stream_counts_the_segment_wholly_free()
     busy stream (after a device synchronize: inner pages go back too) and the batch's undo
     the pages it mapped. The segment, left all holes, is released with its reservation, and
     whole_free_bytes is back at 0 (not wrapped below it)."""
-    dev, mm = sim_manager("256MiB", expandable_segments=True)
+    dev, mm = sim_manager("256MiB", segments="tight")
     _segment_cached_for_a_busy_stream(dev, mm, MiB + 1)
     with pytest.raises(OutOfMemoryError):
         mm.allocate_batch([100 * MiB] * 3)       # two grow the segment, the third cannot fit
@@ -359,7 +359,7 @@ def test_snapshot_text_and_segment_map_show_mapped_and_unmapped_bytes(tmp_path):
     """A snapshot gives each segment's mapped bytes (its size) and the reserved, unmapped
     address space after it; the text view names it and the segment map draws it."""
     from gpumem.observe.snapshot import format_snapshot, take_snapshot
-    dev, mm = sim_manager("1GiB", expandable_segments=True)
+    dev, mm = sim_manager("1GiB", segments="tight")
     bufs = [mm.malloc(10 * MiB), mm.malloc(4096)]
     snap = take_snapshot(mm)
     by_pool = {s["pool"]: s for s in snap["segments"]}
@@ -380,7 +380,7 @@ def test_snapshot_text_and_segment_map_show_mapped_and_unmapped_bytes(tmp_path):
 def test_failed_batch_gives_back_the_pages_it_mapped():
     """allocate_batch undoes a failure completely with expandable segments too: the chunks
     its one-by-one requests mapped are unmapped again, the segment's earlier size kept."""
-    dev, mm = sim_manager("256MiB", expandable_segments=True)
+    dev, mm = sim_manager("256MiB", segments="tight")
     keep = mm.malloc(40 * MiB)
     before = (mm.pool.reserved_bytes, dev.mapped_bytes, _leaks(dev))
     with pytest.raises(OutOfMemoryError):

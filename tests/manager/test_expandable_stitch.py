@@ -169,7 +169,7 @@ def test_a_stream_whose_reservation_is_used_up_gets_another():
     """Level **real** (sim): the reservation is as large as usable memory, so to reach its end
     the test shrinks it. A stream whose reservation has no room and no hole that fits gets a
     second reservation instead of failing; both are released on empty_cache once free."""
-    dev, mm = sim_manager("1GiB", back_memory=True, expandable_segments=True)
+    dev, mm = sim_manager("1GiB", back_memory=True, segments="tight")
     mm.usable_memory = 64 * MiB                  # reservations of 64 MiB
     a = mm.malloc(40 * MiB)
     b = mm.malloc(20 * MiB)
@@ -193,7 +193,7 @@ def test_snapshot_text_plot_and_torch_export_show_holes(tmp_path):
     from gpumem.observe.snapshot import format_snapshot, load_snapshot, save_snapshot, summarize, \
         take_snapshot
     from gpumem.observe.torch_snapshot import to_memory_viz
-    dev, mm = sim_manager("1GiB", expandable_segments=True)
+    dev, mm = sim_manager("1GiB", segments="tight")
     a, b, c = mm.malloc(10 * MiB), mm.malloc(20 * MiB), mm.malloc(10 * MiB)
     b.free()
     mm.empty_cache()
@@ -237,7 +237,7 @@ def test_release_before_grow_crosses_the_two_pools(release_before_grow):
         free, total = dev.mem_get_info()
         return total - free
 
-    dev, mm = sim_manager("1GiB", expandable_segments=True,
+    dev, mm = sim_manager("1GiB", segments="tight",
                           release_before_grow=release_before_grow)
     big = mm.malloc(20 * MiB)
     for x in [mm.malloc(MiB) for _ in range(8)]:              # 4 small segments, then idle
@@ -248,7 +248,7 @@ def test_release_before_grow_crosses_the_two_pools(release_before_grow):
     check(mm, [big, more])
     mm.close()
 
-    dev, mm = sim_manager("1GiB", expandable_segments=True,
+    dev, mm = sim_manager("1GiB", segments="tight",
                           release_before_grow=release_before_grow)
     keep = mm.malloc(20 * MiB)
     mm.malloc(20 * MiB).free()                                # a 20 MiB free tail: pages
@@ -265,7 +265,7 @@ def test_pages_carved_off_the_end_come_back_in_any_order():
     restores the segment exactly (level real, sim). Found by the stress test with expandable
     segments and page faults: before, the pool refused a page past the span and the miss
     failed with MemoryError("the pool could not record mapped pages")."""
-    dev, mm = sim_manager("1GiB", expandable_segments=True)
+    dev, mm = sim_manager("1GiB", segments="tight")
     live = mm.malloc(4 * MiB)                              # [0, 4 MiB)
     mm.malloc(8 * MiB).free()                              # a free tail [4, 12 MiB)
     handle = live.segment_location()[0]
@@ -339,7 +339,7 @@ def test_pages_are_unmapped_after_a_synchronize_only_while_their_stream_has_work
     stream-ordered. While that stream has queued work, a stitching miss and a trim each
     synchronize the device once before unmapping; once the stream is idle they unmap without
     waiting (the device is only asked, a stream query). Bytes and invariants hold either way."""
-    dev, mm = sim_manager("1GiB", back_memory=True, expandable_segments=True)
+    dev, mm = sim_manager("1GiB", back_memory=True, segments="tight")
     s = dev.create_stream()
     a, b, c, e, f = (mm.malloc(n * MiB, stream=s) for n in (10, 20, 10, 20, 10))
     kept = [(x, _fill(x, i)) for i, x in enumerate((a, c, f))]

@@ -242,7 +242,7 @@ def test_injected_page_oom_counts_and_leaves_state():
     """The same with expandable segments, whose growth creates pages (``inject_vm``) instead of
     segments: a refused page is one try, rolled back, and the manager's counters and the
     device's mappings are as before (level real: the Cython pool on sim)."""
-    dev, mm = make(expandable_segments=True)
+    dev, mm = make(segments="tight")
     keep = mm.malloc(100 * MiB)
     before, mapped = counters(mm), dev.mapped_bytes
     creates = dev.vm_calls["create"]

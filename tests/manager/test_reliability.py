@@ -143,14 +143,14 @@ def test_stream_destroyed_behind_the_managers_back(make_manager, sim_device, exp
     manager = make_manager(expandable_segments=expandable)
     dev = sim_device.devices[0]
     s = dev.create_stream()
-    manager.malloc(16 * MiB, stream=s).free()
+    manager.malloc(20 * MiB, stream=s).free()
     with dev._lock:                             # forget it the way a foreign destroy would
         del dev._submitted[s]
         del dev._completed[s]
     syncs, creates = dev.synchronize_calls, dev.vm_calls["create"]
-    b = manager.malloc(16 * MiB)
+    b = manager.malloc(20 * MiB)
     # the destroyed stream's segment was reused: no new segment, no new page
-    assert dev.live_segments == (0 if expandable else 1) and dev.live_bytes == 16 * MiB
+    assert dev.live_segments == (0 if expandable else 1) and dev.live_bytes == 20 * MiB
     assert dev.vm_calls["create"] == creates
     assert dev.synchronize_calls == syncs + 1
     b.free()

@@ -53,7 +53,7 @@ def test_segment_rows_leave_out_the_holes_of_expandable_segments(sim_device):
     """An expandable segment with unmapped pages (freed and given back by empty_cache) holds
     no memory there: its row counts only mapped pages, so the rows add up to the totals."""
     sim_device("1GiB")
-    with MemoryManager("sim:0", MemoryConfig(**EXACT, expandable_segments=True)) as mm:
+    with MemoryManager("sim:0", MemoryConfig(**EXACT, segments="tight")) as mm:
         bufs = [mm.malloc(3 * MiB) for _ in range(10)]
         for b in bufs[::2]:
             b.free()

@@ -323,17 +323,17 @@ def test_free_routes_to_the_owner(sims):
 
 def test_stats_and_totals(sims):
     with MultiDeviceManager(DEVICES, CFG, policy="round_robin") as multi:
-        bufs = [multi.allocate_on_best_device(n * MiB) for n in (10, 20, 30)]
+        bufs = [multi.allocate_on_best_device(n * MiB) for n in (20, 40, 60)]
         stats = multi.stats()
         assert list(stats) == DEVICES
-        assert [s.in_use_bytes for s in stats.values()] == [10 * MiB, 20 * MiB, 30 * MiB]
-        assert multi.total_memory_usage() == (60 * MiB, 60 * MiB)
+        assert [s.in_use_bytes for s in stats.values()] == [20 * MiB, 40 * MiB, 60 * MiB]
+        assert multi.total_memory_usage() == (120 * MiB, 120 * MiB)
         bufs[2].free()
-        assert multi.total_memory_usage() == (30 * MiB, 60 * MiB)
-        assert multi.emergency_cleanup_all() == 30 * MiB
+        assert multi.total_memory_usage() == (60 * MiB, 120 * MiB)
+        assert multi.emergency_cleanup_all() == 60 * MiB
         bufs[0].free()
-        assert multi.empty_cache() == 10 * MiB
-        assert sum(s.reserved_bytes for s in multi.stats().values()) == 20 * MiB
+        assert multi.empty_cache() == 20 * MiB
+        assert sum(s.reserved_bytes for s in multi.stats().values()) == 40 * MiB
 
 
 def test_with_a_real_backend_when_selected(sims):

@@ -74,7 +74,8 @@ def test_replay_time_is_the_log_priced_by_the_model(trace, expandable):
         if done == total:
             marks.append((len(dev.calls), dev.mem_get_info_calls, dev.stream_query_calls))
 
-    cfg = replay_config("default").replace(expandable_segments=expandable)
+    # tight: one-page handles, so a miss maps several handles with one access call
+    cfg = replay_config("default").replace(segments="tight" if expandable else "plain")
     res = replay(trace, dev, cfg, progress=progress)
     n_log, n_info, n_query = marks[-1]
     model = dev.driver_costs
