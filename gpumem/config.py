@@ -17,7 +17,7 @@ from typing import Any, Mapping
 from gpumem.errors import InvalidInputError, UnknownSettingWarning
 from gpumem.units import GiB, MiB, parse_size
 
-__all__ = ["MemoryConfig", "MAX_BYTES", "OTHER_VARIABLES", "HANDLE_PER_GROWTH", "parse_handle_size"]
+__all__ = ["MemoryConfig", "MAX_BYTES", "SIZE_FIELDS", "OTHER_VARIABLES", "HANDLE_PER_GROWTH", "parse_handle_size"]
 
 #: GPUMEM_* variables read elsewhere (besides GPUMEM_<FIELD> of MemoryConfig): from_env does
 #: not warn about these. Add a variable here when a module starts reading one.
@@ -42,6 +42,11 @@ OTHER_VARIABLES = frozenset({
     "GPUMEM_PACKAGE_PYTHONS",   # ci/package.sh: the interpreters to build wheels for
     "GPUMEM_PACKAGE_KEEP",      # ci/package.sh: keep its work folder
 })
+
+#: the MemoryConfig fields that hold a byte count: each takes an int or a size string
+SIZE_FIELDS = ("min_free_bytes", "reserve_bytes", "granularity", "small_size", "small_segment",
+               "large_segment", "large_threshold", "large_round", "max_split_size",
+               "large_split_min", "oversize_slack", "max_pool_size", "expandable_handle_size")
 
 #: the largest byte count (and count) a setting may hold: 4 EiB, far past any device, and small
 #: enough that the pool's size_t arithmetic (rounding, segment plus slack) cannot overflow
@@ -73,7 +78,8 @@ def _power_of_two(n: int) -> bool:
 
 @dataclass(frozen=True)
 class MemoryConfig:
-    """How a manager uses its device. Sizes are bytes (ints); `from_env`/`with_*` accept strings.
+    """How a manager uses its device. Every size field takes an int number of bytes or a size
+    string (``"4GiB"``, ``"512MiB"``: :func:`gpumem.units.parse_size`), stored as an int.
 
     Limits: a manager never holds more than ``usable_memory = min(total * gpu_memory_fraction,
     total - reserve)`` and never asks the driver for a segment that would leave less than
@@ -118,6 +124,7 @@ class MemoryConfig:
     auto_cleanup_at_critical: bool = True   # at CRITICAL, release every wholly free segment
 
     def __post_init__(self) -> None:
+        self._normalise_sizes()
         f = self.gpu_memory_fraction
         if isinstance(f, bool) or not isinstance(f, (int, float)) or not math.isfinite(f) \
                 or not 0.0 < f <= 1.0:
@@ -132,11 +139,7 @@ class MemoryConfig:
                      "large_segment", "large_threshold", "large_round", "large_split_min",
                      "oversize_slack", "max_pooled_per_bucket"):
             self._check_int(name, getattr(self, name))
-        if self.expandable_handle_size != HANDLE_PER_GROWTH:
-            if isinstance(self.expandable_handle_size, str):
-                raise InvalidInputError(
-                    f"expandable_handle_size must be an int number of bytes or "
-                    f"{HANDLE_PER_GROWTH!r}, got {self.expandable_handle_size!r}")
+        if self.expandable_handle_size != HANDLE_PER_GROWTH:     # a string is parsed above
             self._check_int("expandable_handle_size", self.expandable_handle_size)
         for name in ("reserve_bytes", "max_split_size", "max_pool_size"):
             if getattr(self, name) is not None:
@@ -167,11 +170,27 @@ class MemoryConfig:
                 or not 0.0 <= h <= 1.0:
             raise InvalidInputError(f"high_cache_fraction must be in [0, 1], got {h!r}")
 
+    def _normalise_sizes(self) -> None:
+        """Size strings ("4GiB") and integer-like numbers (numpy) to ints, in place (the
+        dataclass is frozen, hence object.__setattr__); the checks below then see ints."""
+        for name in SIZE_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, str):
+                value = (parse_handle_size(value) if name == "expandable_handle_size"
+                         else parse_size(value, what=name))
+            elif (not isinstance(value, (bool, int)) and value is not None
+                  and hasattr(value, "__index__")):
+                value = int(value.__index__())
+            else:
+                continue
+            object.__setattr__(self, name, value)
+
     @staticmethod
     def _check_int(name: str, value: Any) -> None:
         if isinstance(value, bool) or not isinstance(value, int):
             raise InvalidInputError(
-                f"{name} must be an int number of bytes, got {type(value).__name__} {value!r}")
+                f"{name} must be an int number of bytes or a size string such as '512MiB', "
+                f"got {type(value).__name__} {value!r}")
         if value < 0:
             raise InvalidInputError(f"{name} must be >= 0, got {value}")
         if value > MAX_BYTES:

@@ -229,7 +229,7 @@ def test_manager_with_bad_environment_fails(sim_device, monkeypatch):
     dict(gpu_memory_fraction=True), dict(gpu_memory_fraction="0.5"),
     dict(cpu_fallback_enabled=1), dict(cpu_fallback_enabled="yes"), dict(track_allocations=None),
     dict(release_before_grow=0),
-    dict(min_free_bytes=-1), dict(min_free_bytes=1.0), dict(min_free_bytes="1GiB"),
+    dict(min_free_bytes=-1), dict(min_free_bytes=1.0), dict(min_free_bytes="1 gig"),
     dict(min_free_bytes=True),
     dict(granularity=0), dict(granularity=3), dict(granularity=1000),
     dict(small_size=4 * MiB), dict(small_segment=0), dict(large_segment=0),
@@ -309,6 +309,60 @@ def test_largest_allowed_size_builds_a_manager(sim_device):
         mm.malloc(4096).free()
     with pytest.raises(InvalidInputError, match="max_pool_size"):
         MemoryConfig(max_pool_size=MAX_BYTES + 1)
+
+
+#: each size field with a valid value, as a size string and as the int it means
+_SIZE_STRINGS = {
+    "min_free_bytes": ("1GiB", GiB), "reserve_bytes": ("1.5 GiB", 3 * GiB // 2),
+    "granularity": ("1KiB", 1024), "small_size": ("512KiB", 512 * 1024),
+    "small_segment": ("4MiB", 4 * MiB), "large_segment": ("40MiB", 40 * MiB),
+    "large_threshold": ("16MiB", 16 * MiB), "large_round": ("2KiB", 2048),
+    "max_split_size": ("256MiB", 256 * MiB), "large_split_min": ("2M", 2 * MiB),
+    "oversize_slack": ("10MB", 10 ** 7), "max_pool_size": ("4GiB", 4 * GiB),
+    "expandable_handle_size": ("20MiB", 20 * MiB),
+}
+
+
+def test_every_size_field_takes_a_size_string():
+    """A user can write any size setting as "4GiB" in MemoryConfig(...) and replace(...), as
+    the environment and with_*() always allowed; it is stored as the int it means, so the
+    config compares equal to one built from ints."""
+    from gpumem.config import SIZE_FIELDS
+    assert set(_SIZE_STRINGS) == set(SIZE_FIELDS)
+    for name, (text, nbytes) in _SIZE_STRINGS.items():
+        cfg = MemoryConfig(**{name: text})
+        assert getattr(cfg, name) == nbytes and type(getattr(cfg, name)) is int, name
+        assert cfg == MemoryConfig(**{name: nbytes})
+        assert MemoryConfig().replace(**{name: text}) == cfg
+    assert MemoryConfig(expandable_handle_size="Growth").expandable_handle_size == "growth"
+
+
+@pytest.mark.parametrize("name", sorted(_SIZE_STRINGS))
+def test_malformed_size_string_names_the_field(name):
+    """A size string that is not a size is refused with InvalidInputError naming the field,
+    and what is allowed (a unit, e.g. '16GiB')."""
+    with pytest.raises(InvalidInputError, match=name) as exc:
+        MemoryConfig(**{name: "4 gigs"})
+    assert "e.g." in str(exc.value)
+
+
+def test_configure_takes_size_strings(sim_device):
+    """docs/shared_managers.md's call: configure(device, max_pool_size="4GiB") works and the
+    shared manager caps its cache at 4 GiB; a malformed size leaves the shared manager as it
+    was."""
+    from gpumem import configure, get_manager
+    from gpumem.placement.shared import close_shared_managers
+    sim_device("8GiB")
+    try:
+        before = get_manager("sim:0")
+        with pytest.raises(InvalidInputError, match="max_pool_size"):
+            configure("sim:0", max_pool_size="lots")
+        assert get_manager("sim:0") is before and not before.closed
+        mm = configure("sim:0", max_pool_size="4GiB", min_free_bytes="256MiB")
+        assert mm.config.max_pool_size == 4 * GiB and mm.config.min_free_bytes == 256 * MiB
+        assert get_manager("sim:0") is mm
+    finally:
+        close_shared_managers()
 
 
 def test_misspelled_variable_warns_naming_the_known_ones():
