@@ -17,24 +17,31 @@ from typing import Any, Mapping
 from gpumem.errors import InvalidInputError, UnknownSettingWarning
 from gpumem.units import GiB, MiB, parse_size
 
-__all__ = ["MemoryConfig", "MAX_BYTES", "SIZE_FIELDS", "OTHER_VARIABLES", "HANDLE_PER_GROWTH", "parse_handle_size"]
+__all__ = ["MemoryConfig", "MAX_BYTES", "SIZE_FIELDS", "OTHER_VARIABLES", "USER_VARIABLES",
+           "INTERNAL_VARIABLES", "HANDLE_PER_GROWTH", "parse_handle_size"]
 
-#: GPUMEM_* variables read elsewhere (besides GPUMEM_<FIELD> of MemoryConfig): from_env does
-#: not warn about these. Add a variable here when a module starts reading one.
-OTHER_VARIABLES = frozenset({
+#: GPUMEM_* variables a user sets, read elsewhere (besides GPUMEM_<FIELD> of MemoryConfig):
+#: from_env does not warn about these, and its warning about an unknown one lists them.
+USER_VARIABLES = frozenset({
     "GPUMEM_DEBUG",             # tracking on (config)
+    "GPUMEM_DEVICE",            # the default device (gpumem.default_device, get_manager)
     "GPUMEM_SIM_DEVICES",       # simulated devices (gpumem_sim)
     "GPUMEM_HOST_PINNED",       # host backend pinning
     "GPUMEM_CUDA_NATIVE",       # cuda backend: use the Cython fast path
+    "GPUMEM_DUMP_ON_OOM",       # history and snapshot dumps on OOM (gpumem.observe.history)
+    "GPUMEM_TEST_DEVICES",      # the pytest plug-in (gpumem.testing)
+    "GPUMEM_BUILD_CUDA",        # setup.py: build the CUDA fast path (README, Install)
+})
+
+#: GPUMEM_* variables of this project's own CI, tests and benchmarks: from_env does not warn
+#: about these either, but never offers them to a user. Add a variable to one of the two sets
+#: when a module starts reading one.
+INTERNAL_VARIABLES = frozenset({
     "GPUMEM_TEST_BACKENDS",     # tests
-    "GPUMEM_BUILD_CUDA",        # setup.py
     "GPUMEM_TRACES",            # benchmarks
     "GPUMEM_VENV",              # ci scripts
     "GPUMEM_OFFLINE",           # ci/setup_env.sh: install nothing (a pre-provisioned machine)
     "GPUMEM_CBENCH_DIR",        # benchmarks
-    "GPUMEM_DEVICE",            # the default device (gpumem.default_device, get_manager)
-    "GPUMEM_DUMP_ON_OOM",       # history and snapshot dumps on OOM (gpumem.observe.history)
-    "GPUMEM_TEST_DEVICES",      # the pytest plug-in (gpumem.testing)
     "GPUMEM_TEST_EXPANDABLE_SEGMENTS",  # tests: 0 runs the suite with expandable segments off
     "GPUMEM_TEST_SANITIZED",    # tests: ci/sanitize.sh's run (timing bounds widened)
     "GPUMEM_FRAMEWORK_EXTRAS",  # ci/gpu.sh
@@ -42,6 +49,9 @@ OTHER_VARIABLES = frozenset({
     "GPUMEM_PACKAGE_PYTHONS",   # ci/package.sh: the interpreters to build wheels for
     "GPUMEM_PACKAGE_KEEP",      # ci/package.sh: keep its work folder
 })
+
+#: every GPUMEM_* variable read besides GPUMEM_<FIELD>
+OTHER_VARIABLES = USER_VARIABLES | INTERNAL_VARIABLES
 
 #: the MemoryConfig fields that hold a byte count: each takes an int or a size string
 SIZE_FIELDS = ("min_free_bytes", "reserve_bytes", "granularity", "small_size", "small_segment",
@@ -301,13 +311,15 @@ class MemoryConfig:
 
 
 def _warn_unknown_variables(env: Mapping[str, str]) -> None:
-    """An UnknownSettingWarning for each GPUMEM_* name that nothing in gpumem reads."""
-    known = OTHER_VARIABLES | {"GPUMEM_" + f.name.upper() for f in dataclasses.fields(MemoryConfig)}
+    """An UnknownSettingWarning for each GPUMEM_* name that nothing in gpumem reads, listing
+    the settings a user may set (not the project's CI knobs)."""
+    user = USER_VARIABLES | {"GPUMEM_" + f.name.upper() for f in dataclasses.fields(MemoryConfig)}
+    known = user | INTERNAL_VARIABLES
     for key in sorted(k for k in env if k.startswith("GPUMEM_") and k not in known):
-        close = difflib.get_close_matches(key, known, n=1)
+        close = difflib.get_close_matches(key, user, n=1)
         hint = f" (did you mean {close[0]}?)" if close else ""
-        warnings.warn(f"gpumem: unknown environment variable {key}{hint}; known: "
-                      f"{', '.join(sorted(known))}", UnknownSettingWarning, stacklevel=3)
+        warnings.warn(f"gpumem: unknown environment variable {key}{hint}; the settings are: "
+                      f"{', '.join(sorted(user))}", UnknownSettingWarning, stacklevel=3)
 
 
 def _valid_alone(base: MemoryConfig, name: str, value: Any) -> bool:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 
 import pytest
 
@@ -381,6 +382,47 @@ def test_misspelled_variable_warns_naming_the_known_ones():
         warnings.simplefilter("error")
         MemoryConfig.from_env({"GPUMEM_MIN_FREE_BYTES": "1GiB", "GPUMEM_DEBUG": "1",
                                "GPUMEM_SIM_DEVICES": "1", "OTHER": "x"})
+
+
+def test_unknown_variable_warning_lists_user_settings_only():
+    """An unknown GPUMEM_* name gets the closest user setting and the list of settings a user
+    may set: the MemoryConfig fields and GPUMEM_DEVICE and the like, never the project's own CI
+    knobs (GPUMEM_VENV, GPUMEM_PACKAGE_KEEP, GPUMEM_CBENCH_DIR...), which still do not warn."""
+    import warnings
+
+    from gpumem import UnknownSettingWarning
+    from gpumem.config import INTERNAL_VARIABLES, OTHER_VARIABLES, USER_VARIABLES
+    assert not USER_VARIABLES & INTERNAL_VARIABLES
+    assert OTHER_VARIABLES == USER_VARIABLES | INTERNAL_VARIABLES
+    assert {"GPUMEM_VENV", "GPUMEM_PACKAGE_KEEP", "GPUMEM_CBENCH_DIR"} <= INTERNAL_VARIABLES
+    with pytest.warns(UnknownSettingWarning) as rec:
+        MemoryConfig.from_env({"GPUMEM_DEVISE": "sim:0"})
+    msg = str(rec[0].message)
+    assert "did you mean GPUMEM_DEVICE?" in msg
+    listed = set(msg.split("the settings are: ", 1)[1].split(", "))
+    assert listed == USER_VARIABLES | {"GPUMEM_" + f.name.upper()
+                                       for f in dataclasses.fields(MemoryConfig)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        MemoryConfig.from_env({name: "1" for name in INTERNAL_VARIABLES})
+
+
+def test_variables_the_package_reads_are_user_settings():
+    """Every GPUMEM_* name that gpumem or gpumem_sim reads at run time is a user setting (so
+    the warning offers it); the internal list holds only what CI, tests and benchmarks read."""
+    from pathlib import Path
+
+    import gpumem
+    import gpumem_sim
+    from gpumem.config import INTERNAL_VARIABLES
+    folders = [Path(m.__file__).resolve().parent for m in (gpumem, gpumem_sim)]
+    read = set()
+    for folder in folders:
+        for path in folder.rglob("*.py"):
+            if path.name != "config.py":
+                read |= set(re.findall(r"GPUMEM_[A-Z_]+", path.read_text()))
+    assert "GPUMEM_DEVICE" in read
+    assert read & INTERNAL_VARIABLES == set()
 
 
 def _unknown_variables(folders) -> list[str]:
