@@ -366,6 +366,31 @@ def test_configure_takes_size_strings(sim_device):
         close_shared_managers()
 
 
+def test_sizes_as_strings_through_get_manager_and_the_cli(monkeypatch, capsys, sim_device):
+    """The same size strings reach a manager through the environment: get_manager's shared
+    manager and the `gpumem` command both read GPUMEM_RESERVE_BYTES=512MiB (the CLI's summary
+    shows 512 MiB usable on a 1 GiB device); a malformed one is a one-line error naming the
+    variable (exit status 1)."""
+    import json
+
+    from gpumem import get_manager
+    from gpumem.cli import main
+    from gpumem.placement.shared import close_shared_managers
+    sim_device("1GiB")
+    monkeypatch.setenv("GPUMEM_RESERVE_BYTES", "512MiB")
+    try:
+        assert get_manager("sim:0").config.reserve_bytes == 512 * MiB
+        assert get_manager("sim:0").usable_memory == 512 * MiB
+    finally:
+        close_shared_managers()
+    capsys.readouterr()
+    assert main(["summary", "--json", "-"]) == 0
+    assert json.loads(capsys.readouterr().out)["usable_bytes"] == 512 * MiB
+    monkeypatch.setenv("GPUMEM_RESERVE_BYTES", "half")
+    assert main(["summary"]) == 1
+    assert "GPUMEM_RESERVE_BYTES='half'" in capsys.readouterr().err
+
+
 def test_misspelled_variable_warns_naming_the_known_ones():
     """real: GPUMEM_MIN_FREE_BYTE (no S) is not silently ignored: an UnknownSettingWarning
     names it, suggests the right one and lists the known variables; known ones do not warn."""
