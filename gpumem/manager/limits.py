@@ -63,6 +63,8 @@ def refusal_causes(nbytes: int, *, config: Any, total: int, reserve: int, usable
                f"{format_bytes(usable)}")
         if setting.startswith("gpu_memory_fraction"):
             need = math.ceil((reserved + nbytes) / total * 100) / 100
+            if int(total * need) < reserved + nbytes:      # the manager truncates: one more
+                need = round(need + 0.01, 2)
             change = (f"raise it to {need} or more: MemoryConfig(gpu_memory_fraction={need}), "
                       f"configure(..., gpu_memory_fraction={need}) or "
                       f"GPUMEM_GPU_MEMORY_FRACTION={need}")

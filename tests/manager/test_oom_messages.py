@@ -12,6 +12,8 @@ from __future__ import annotations
 import re
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import gpumem_sim
 from gpumem import MemoryConfig, MemoryManager
@@ -94,3 +96,36 @@ def test_memory_summary_usable_is_what_can_be_allocated():
     assert summary_data(mm)["allocatable_bytes"] == 512 * MiB
     _oom(mm, 514 * MiB)
     mm.malloc(512 * MiB, fallback=False).free()
+
+
+@settings(max_examples=300, deadline=None)
+@given(total=st.integers(1 << 20, 1 << 40), fraction=st.floats(0.05, 1.0),
+       reserved_share=st.floats(0.0, 1.0), request_share=st.floats(0.0, 1.0),
+       free_share=st.floats(0.0, 1.0), min_free=st.integers(0, 1 << 34))
+def test_suggested_values_let_the_request_through(total, fraction, reserved_share,
+                                                  request_share, free_share, min_free):
+    """Over random devices and requests, the values the error suggests (a fraction to raise
+    to, a min_free_bytes to lower to) satisfy the very check that refused the request: the
+    manager's usable memory, int(total * fraction), holds what it has plus the request, and
+    the device's free memory less the request keeps the suggested min_free_bytes."""
+    from gpumem.manager.limits import refusal_causes
+    reserved = int(total * reserved_share)
+    nbytes = int(total * request_share)
+    free = int((total - reserved) * free_share)
+    config = MemoryConfig(gpu_memory_fraction=fraction, min_free_bytes=min_free,
+                          reserve_bytes=0)
+    usable = int(total * fraction)
+    causes = refusal_causes(nbytes, config=config, total=total, reserve=0, usable=usable,
+                            reserved=reserved, free=free)
+    for cause in causes:
+        m = re.search(r"MemoryConfig\(gpu_memory_fraction=([0-9.]+)\)", cause)
+        if m:
+            need = float(m.group(1))
+            assert need <= 1.0 and int(total * need) >= reserved + nbytes, cause
+        m = re.search(r'MemoryConfig\(min_free_bytes="(\d+)MiB"\)', cause)
+        if m:
+            assert free - nbytes >= int(m.group(1)) * MiB, cause
+    if reserved + nbytes > usable:
+        assert any(c.startswith("gpu_memory_fraction=") for c in causes)
+    if min_free and nbytes <= free < nbytes + min_free:
+        assert any(c.startswith("min_free_bytes=") for c in causes)
