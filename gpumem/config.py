@@ -17,25 +17,31 @@ from typing import Any, Mapping
 from gpumem.errors import InvalidInputError, UnknownSettingWarning
 from gpumem.units import GiB, MiB, parse_size
 
-__all__ = ["MemoryConfig", "MAX_BYTES", "OTHER_VARIABLES", "HANDLE_PER_GROWTH", "SEGMENT_POLICIES",
-           "parse_handle_size"]
+__all__ = ["MemoryConfig", "MAX_BYTES", "SIZE_FIELDS", "OTHER_VARIABLES", "USER_VARIABLES",
+           "INTERNAL_VARIABLES", "HANDLE_PER_GROWTH", "SEGMENT_POLICIES", "parse_handle_size"]
 
-#: GPUMEM_* variables read elsewhere (besides GPUMEM_<FIELD> of MemoryConfig): from_env does
-#: not warn about these. Add a variable here when a module starts reading one.
-OTHER_VARIABLES = frozenset({
+#: GPUMEM_* variables a user sets, read elsewhere (besides GPUMEM_<FIELD> of MemoryConfig):
+#: from_env does not warn about these, and its warning about an unknown one lists them.
+USER_VARIABLES = frozenset({
     "GPUMEM_DEBUG",             # tracking on (config)
+    "GPUMEM_DEVICE",            # the default device (gpumem.default_device, get_manager)
     "GPUMEM_SIM_DEVICES",       # simulated devices (gpumem_sim)
     "GPUMEM_HOST_PINNED",       # host backend pinning
     "GPUMEM_CUDA_NATIVE",       # cuda backend: use the Cython fast path
+    "GPUMEM_DUMP_ON_OOM",       # history and snapshot dumps on OOM (gpumem.observe.history)
+    "GPUMEM_TEST_DEVICES",      # the pytest plug-in (gpumem.testing)
+    "GPUMEM_BUILD_CUDA",        # setup.py: build the CUDA fast path (README, Install)
+})
+
+#: GPUMEM_* variables of this project's own CI, tests and benchmarks: from_env does not warn
+#: about these either, but never offers them to a user. Add a variable to one of the two sets
+#: when a module starts reading one.
+INTERNAL_VARIABLES = frozenset({
     "GPUMEM_TEST_BACKENDS",     # tests
-    "GPUMEM_BUILD_CUDA",        # setup.py
     "GPUMEM_TRACES",            # benchmarks
     "GPUMEM_VENV",              # ci scripts
     "GPUMEM_OFFLINE",           # ci/setup_env.sh: install nothing (a pre-provisioned machine)
     "GPUMEM_CBENCH_DIR",        # benchmarks
-    "GPUMEM_DEVICE",            # the default device (gpumem.default_device, get_manager)
-    "GPUMEM_DUMP_ON_OOM",       # history and snapshot dumps on OOM (gpumem.observe.history)
-    "GPUMEM_TEST_DEVICES",      # the pytest plug-in (gpumem.testing)
     "GPUMEM_TEST_EXPANDABLE_SEGMENTS",  # tests: 0 runs the suite with expandable segments off
     "GPUMEM_TEST_SEGMENTS",     # tests: the segment policy of the shared base configs
     "GPUMEM_TEST_SANITIZED",    # tests: ci/sanitize.sh's run (timing bounds widened)
@@ -44,6 +50,14 @@ OTHER_VARIABLES = frozenset({
     "GPUMEM_PACKAGE_PYTHONS",   # ci/package.sh: the interpreters to build wheels for
     "GPUMEM_PACKAGE_KEEP",      # ci/package.sh: keep its work folder
 })
+
+#: every GPUMEM_* variable read besides GPUMEM_<FIELD>
+OTHER_VARIABLES = USER_VARIABLES | INTERNAL_VARIABLES
+
+#: the MemoryConfig fields that hold a byte count: each takes an int or a size string
+SIZE_FIELDS = ("min_free_bytes", "reserve_bytes", "granularity", "small_size", "small_segment",
+               "large_segment", "large_threshold", "large_round", "max_split_size",
+               "large_split_min", "oversize_slack", "max_pool_size", "expandable_handle_size")
 
 #: the largest byte count (and count) a setting may hold: 4 EiB, far past any device, and small
 #: enough that the pool's size_t arithmetic (rounding, segment plus slack) cannot overflow
@@ -82,7 +96,8 @@ def _power_of_two(n: int) -> bool:
 
 @dataclass(frozen=True)
 class MemoryConfig:
-    """How a manager uses its device. Sizes are bytes (ints); `from_env`/`with_*` accept strings.
+    """How a manager uses its device. Every size field takes an int number of bytes or a size
+    string (``"4GiB"``, ``"512MiB"``: :func:`gpumem.units.parse_size`), stored as an int.
 
     Limits: a manager never holds more than ``usable_memory = min(total * gpu_memory_fraction,
     total - reserve)`` and never asks the driver for a segment that would leave less than
@@ -121,6 +136,7 @@ class MemoryConfig:
     auto_cleanup_at_critical: bool = True   # at CRITICAL, release every wholly free segment
 
     def __post_init__(self) -> None:
+        self._normalise_sizes()
         f = self.gpu_memory_fraction
         if isinstance(f, bool) or not isinstance(f, (int, float)) or not math.isfinite(f) \
                 or not 0.0 < f <= 1.0:
@@ -137,11 +153,7 @@ class MemoryConfig:
                      "large_segment", "large_threshold", "large_round", "large_split_min",
                      "oversize_slack", "max_pooled_per_bucket"):
             self._check_int(name, getattr(self, name))
-        if self.expandable_handle_size not in (None, HANDLE_PER_GROWTH):
-            if isinstance(self.expandable_handle_size, str):
-                raise InvalidInputError(
-                    f"expandable_handle_size must be an int number of bytes, "
-                    f"{HANDLE_PER_GROWTH!r} or None, got {self.expandable_handle_size!r}")
+        if self.expandable_handle_size not in (None, HANDLE_PER_GROWTH):   # strings parsed above
             self._check_int("expandable_handle_size", self.expandable_handle_size)
         self._resolve_segments()
         for name in ("reserve_bytes", "max_split_size", "max_pool_size"):
@@ -212,11 +224,27 @@ class MemoryConfig:
         0 for one page of the device's granularity, else ``expandable_handle_size``."""
         return self._resolve_segments()[1]
 
+    def _normalise_sizes(self) -> None:
+        """Size strings ("4GiB") and integer-like numbers (numpy) to ints, in place (the
+        dataclass is frozen, hence object.__setattr__); the checks below then see ints."""
+        for name in SIZE_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, str):
+                value = (parse_handle_size(value) if name == "expandable_handle_size"
+                         else parse_size(value, what=name))
+            elif (not isinstance(value, (bool, int)) and value is not None
+                  and hasattr(value, "__index__")):
+                value = int(value.__index__())
+            else:
+                continue
+            object.__setattr__(self, name, value)
+
     @staticmethod
     def _check_int(name: str, value: Any) -> None:
         if isinstance(value, bool) or not isinstance(value, int):
             raise InvalidInputError(
-                f"{name} must be an int number of bytes, got {type(value).__name__} {value!r}")
+                f"{name} must be an int number of bytes or a size string such as '512MiB', "
+                f"got {type(value).__name__} {value!r}")
         if value < 0:
             raise InvalidInputError(f"{name} must be >= 0, got {value}")
         if value > MAX_BYTES:
@@ -327,13 +355,15 @@ class MemoryConfig:
 
 
 def _warn_unknown_variables(env: Mapping[str, str]) -> None:
-    """An UnknownSettingWarning for each GPUMEM_* name that nothing in gpumem reads."""
-    known = OTHER_VARIABLES | {"GPUMEM_" + f.name.upper() for f in dataclasses.fields(MemoryConfig)}
+    """An UnknownSettingWarning for each GPUMEM_* name that nothing in gpumem reads, listing
+    the settings a user may set (not the project's CI knobs)."""
+    user = USER_VARIABLES | {"GPUMEM_" + f.name.upper() for f in dataclasses.fields(MemoryConfig)}
+    known = user | INTERNAL_VARIABLES
     for key in sorted(k for k in env if k.startswith("GPUMEM_") and k not in known):
-        close = difflib.get_close_matches(key, known, n=1)
+        close = difflib.get_close_matches(key, user, n=1)
         hint = f" (did you mean {close[0]}?)" if close else ""
-        warnings.warn(f"gpumem: unknown environment variable {key}{hint}; known: "
-                      f"{', '.join(sorted(known))}", UnknownSettingWarning, stacklevel=3)
+        warnings.warn(f"gpumem: unknown environment variable {key}{hint}; the settings are: "
+                      f"{', '.join(sorted(user))}", UnknownSettingWarning, stacklevel=3)
 
 
 def _valid_alone(base: MemoryConfig, name: str, value: Any) -> bool:

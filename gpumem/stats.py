@@ -156,7 +156,8 @@ class MemoryStats:
         return (f"{self.device}: reserved {fb(self.reserved_bytes)} in "
                 f"{self.num_segments} segment(s), in use {fb(self.in_use_bytes)} "
                 f"({self.active_buffers} buffers), cached {fb(self.cached_bytes)}, "
-                f"peak {fb(self.peak_in_use_bytes)}; hits {self.pool_hits}, misses "
+                f"peak in use {fb(self.peak_in_use_bytes)}, peak reserved "
+                f"{fb(self.peak_reserved_bytes)}; hits {self.pool_hits}, misses "
                 f"{self.pool_misses} ({self.hit_rate():.1%}), fragmentation "
                 f"{self.fragmentation_ratio():.1%}, CPU fallbacks {self.cpu_fallbacks}, "
                 f"OOMs {self.num_ooms}")

@@ -403,7 +403,7 @@ def test_bad_gpu_memory_fraction(fraction):
         MemoryConfig(gpu_memory_fraction=fraction)
 
 
-@pytest.mark.parametrize("value", [-1, -GiB, 1.5, "1GiB", True])
+@pytest.mark.parametrize("value", [-1, -GiB, 1.5, "1 gig", "-1GiB", True])
 def test_bad_min_free_bytes(value):
     with pytest.raises(InvalidInputError, match="min_free_bytes"):
         MemoryConfig(min_free_bytes=value)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 
 import pytest
 
@@ -229,7 +230,7 @@ def test_manager_with_bad_environment_fails(sim_device, monkeypatch):
     dict(gpu_memory_fraction=True), dict(gpu_memory_fraction="0.5"),
     dict(cpu_fallback_enabled=1), dict(cpu_fallback_enabled="yes"), dict(track_allocations=None),
     dict(release_before_grow=0),
-    dict(min_free_bytes=-1), dict(min_free_bytes=1.0), dict(min_free_bytes="1GiB"),
+    dict(min_free_bytes=-1), dict(min_free_bytes=1.0), dict(min_free_bytes="1 gig"),
     dict(min_free_bytes=True),
     dict(granularity=0), dict(granularity=3), dict(granularity=1000),
     dict(small_size=4 * MiB), dict(small_segment=0), dict(large_segment=0),
@@ -311,6 +312,85 @@ def test_largest_allowed_size_builds_a_manager(sim_device):
         MemoryConfig(max_pool_size=MAX_BYTES + 1)
 
 
+#: each size field with a valid value, as a size string and as the int it means
+_SIZE_STRINGS = {
+    "min_free_bytes": ("1GiB", GiB), "reserve_bytes": ("1.5 GiB", 3 * GiB // 2),
+    "granularity": ("1KiB", 1024), "small_size": ("512KiB", 512 * 1024),
+    "small_segment": ("4MiB", 4 * MiB), "large_segment": ("40MiB", 40 * MiB),
+    "large_threshold": ("16MiB", 16 * MiB), "large_round": ("2KiB", 2048),
+    "max_split_size": ("256MiB", 256 * MiB), "large_split_min": ("2M", 2 * MiB),
+    "oversize_slack": ("10MB", 10 ** 7), "max_pool_size": ("4GiB", 4 * GiB),
+    "expandable_handle_size": ("20MiB", 20 * MiB),
+}
+
+
+def test_every_size_field_takes_a_size_string():
+    """A user can write any size setting as "4GiB" in MemoryConfig(...) and replace(...), as
+    the environment and with_*() always allowed; it is stored as the int it means, so the
+    config compares equal to one built from ints."""
+    from gpumem.config import SIZE_FIELDS
+    assert set(_SIZE_STRINGS) == set(SIZE_FIELDS)
+    for name, (text, nbytes) in _SIZE_STRINGS.items():
+        cfg = MemoryConfig(**{name: text})
+        assert getattr(cfg, name) == nbytes and type(getattr(cfg, name)) is int, name
+        assert cfg == MemoryConfig(**{name: nbytes})
+        assert MemoryConfig().replace(**{name: text}) == cfg
+    assert MemoryConfig(expandable_handle_size="Growth").expandable_handle_size == "growth"
+
+
+@pytest.mark.parametrize("name", sorted(_SIZE_STRINGS))
+def test_malformed_size_string_names_the_field(name):
+    """A size string that is not a size is refused with InvalidInputError naming the field,
+    and what is allowed (a unit, e.g. '16GiB')."""
+    with pytest.raises(InvalidInputError, match=name) as exc:
+        MemoryConfig(**{name: "4 gigs"})
+    assert "e.g." in str(exc.value)
+
+
+def test_configure_takes_size_strings(sim_device):
+    """docs/shared_managers.md's call: configure(device, max_pool_size="4GiB") works and the
+    shared manager caps its cache at 4 GiB; a malformed size leaves the shared manager as it
+    was."""
+    from gpumem import configure, get_manager
+    from gpumem.placement.shared import close_shared_managers
+    sim_device("8GiB")
+    try:
+        before = get_manager("sim:0")
+        with pytest.raises(InvalidInputError, match="max_pool_size"):
+            configure("sim:0", max_pool_size="lots")
+        assert get_manager("sim:0") is before and not before.closed
+        mm = configure("sim:0", max_pool_size="4GiB", min_free_bytes="256MiB")
+        assert mm.config.max_pool_size == 4 * GiB and mm.config.min_free_bytes == 256 * MiB
+        assert get_manager("sim:0") is mm
+    finally:
+        close_shared_managers()
+
+
+def test_sizes_as_strings_through_get_manager_and_the_cli(monkeypatch, capsys, sim_device):
+    """The same size strings reach a manager through the environment: get_manager's shared
+    manager and the `gpumem` command both read GPUMEM_RESERVE_BYTES=512MiB (the CLI's summary
+    shows 512 MiB usable on a 1 GiB device); a malformed one is a one-line error naming the
+    variable (exit status 1)."""
+    import json
+
+    from gpumem import get_manager
+    from gpumem.cli import main
+    from gpumem.placement.shared import close_shared_managers
+    sim_device("1GiB")
+    monkeypatch.setenv("GPUMEM_RESERVE_BYTES", "512MiB")
+    try:
+        assert get_manager("sim:0").config.reserve_bytes == 512 * MiB
+        assert get_manager("sim:0").usable_memory == 512 * MiB
+    finally:
+        close_shared_managers()
+    capsys.readouterr()
+    assert main(["summary", "--json", "-"]) == 0
+    assert json.loads(capsys.readouterr().out)["usable_bytes"] == 512 * MiB
+    monkeypatch.setenv("GPUMEM_RESERVE_BYTES", "half")
+    assert main(["summary"]) == 1
+    assert "GPUMEM_RESERVE_BYTES='half'" in capsys.readouterr().err
+
+
 def test_misspelled_variable_warns_naming_the_known_ones():
     """real: GPUMEM_MIN_FREE_BYTE (no S) is not silently ignored: an UnknownSettingWarning
     names it, suggests the right one and lists the known variables; known ones do not warn."""
@@ -327,6 +407,47 @@ def test_misspelled_variable_warns_naming_the_known_ones():
         warnings.simplefilter("error")
         MemoryConfig.from_env({"GPUMEM_MIN_FREE_BYTES": "1GiB", "GPUMEM_DEBUG": "1",
                                "GPUMEM_SIM_DEVICES": "1", "OTHER": "x"})
+
+
+def test_unknown_variable_warning_lists_user_settings_only():
+    """An unknown GPUMEM_* name gets the closest user setting and the list of settings a user
+    may set: the MemoryConfig fields and GPUMEM_DEVICE and the like, never the project's own CI
+    knobs (GPUMEM_VENV, GPUMEM_PACKAGE_KEEP, GPUMEM_CBENCH_DIR...), which still do not warn."""
+    import warnings
+
+    from gpumem import UnknownSettingWarning
+    from gpumem.config import INTERNAL_VARIABLES, OTHER_VARIABLES, USER_VARIABLES
+    assert not USER_VARIABLES & INTERNAL_VARIABLES
+    assert OTHER_VARIABLES == USER_VARIABLES | INTERNAL_VARIABLES
+    assert {"GPUMEM_VENV", "GPUMEM_PACKAGE_KEEP", "GPUMEM_CBENCH_DIR"} <= INTERNAL_VARIABLES
+    with pytest.warns(UnknownSettingWarning) as rec:
+        MemoryConfig.from_env({"GPUMEM_DEVISE": "sim:0"})
+    msg = str(rec[0].message)
+    assert "did you mean GPUMEM_DEVICE?" in msg
+    listed = set(msg.split("the settings are: ", 1)[1].split(", "))
+    assert listed == USER_VARIABLES | {"GPUMEM_" + f.name.upper()
+                                       for f in dataclasses.fields(MemoryConfig)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        MemoryConfig.from_env({name: "1" for name in INTERNAL_VARIABLES})
+
+
+def test_variables_the_package_reads_are_user_settings():
+    """Every GPUMEM_* name that gpumem or gpumem_sim reads at run time is a user setting (so
+    the warning offers it); the internal list holds only what CI, tests and benchmarks read."""
+    from pathlib import Path
+
+    import gpumem
+    import gpumem_sim
+    from gpumem.config import INTERNAL_VARIABLES
+    folders = [Path(m.__file__).resolve().parent for m in (gpumem, gpumem_sim)]
+    read = set()
+    for folder in folders:
+        for path in folder.rglob("*.py"):
+            if path.name != "config.py":
+                read |= set(re.findall(r"GPUMEM_[A-Z_]+", path.read_text()))
+    assert "GPUMEM_DEVICE" in read
+    assert read & INTERNAL_VARIABLES == set()
 
 
 def _unknown_variables(folders) -> list[str]:

@@ -82,6 +82,20 @@ def test_every_output_speaks_the_vocabulary_and_agrees(used):
     json.dumps(summary)
 
 
+def test_stats_text_says_which_peak(make_manager):
+    """str(mm.stats()) names each peak it prints: "peak in use" and "peak reserved", each with
+    its own figure (here 1 MiB in use at most, in a 2 MiB segment), and no bare "peak"."""
+    from gpumem.units import format_bytes
+    mm = make_manager(expandable_segments=False)
+    mm.malloc(MiB).free()
+    st = mm.stats()
+    text = str(st)
+    assert st.peak_in_use_bytes != st.peak_reserved_bytes
+    assert f"peak in use {format_bytes(st.peak_in_use_bytes)}" in text
+    assert f"peak reserved {format_bytes(st.peak_reserved_bytes)}" in text
+    assert re.findall(r"peak (?!in use|reserved)", text) == []
+
+
 def test_measured_replayed_and_torch_counters_use_the_names(measured, replayed):
     """MeasuredStats, ReplayResult and the torch allocator's counters() carry the vocabulary's
     counts (no old spelling among their fields or keys)."""

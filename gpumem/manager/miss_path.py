@@ -26,6 +26,7 @@ from gpumem._core.manager_base import stream_handle
 from gpumem.errors import (ClosedManagerError, CpuFallbackWarning, DriverError,
                            ForeignBufferError, OutOfMemoryError)
 from gpumem.manager.fallback import FallbackBuffer
+from gpumem.manager.limits import device_reserve, refusal_causes
 from gpumem.placement import peers
 from gpumem.units import format_bytes
 
@@ -162,12 +163,20 @@ class MissPath:
             free, total = None, self._total
         reserved = pool.reserved_bytes
         in_use = pool.in_use_bytes
+        # the settings that refused it, named with their values and how to change them
+        causes = refusal_causes(nbytes, config=cfg, total=self._total,
+                                reserve=device_reserve(cfg, device, self._total),
+                                usable=usable, reserved=reserved, free=free)
         if nbytes > self._total:
             reason = "the request exceeds the device's total memory"
-        elif nbytes > usable:
-            reason = "the request exceeds usable memory (gpu_memory_fraction / reserve)"
         else:
-            reason = "device, cache and callbacks exhausted"
+            if causes:
+                reason = "; ".join(causes)
+            elif free is not None and free < nbytes:
+                reason = (f"device, cache and callbacks exhausted: the device has only "
+                          f"{format_bytes(free)} free (no gpumem setting refused it)")
+            else:
+                reason = "device, cache and callbacks exhausted"
             if not cfg.cpu_fallback_enabled:
                 reason += "; CPU fallback is disabled"
             elif fallback_refused:

@@ -185,4 +185,6 @@ def select_backend_for_model(total_bytes: int | MemoryEstimate, *,
         total=widest.total, limit=widest.room,
         reason=f"no device can hold {format_bytes(requested)} with min_free_bytes "
                f"{format_bytes(cfg.min_free_bytes)} and gpu_memory_fraction "
-               f"{cfg.gpu_memory_fraction}: {listing}")
+               f"{cfg.gpu_memory_fraction}: {listing} (lower min_free_bytes or raise "
+               f"gpu_memory_fraction: MemoryConfig(min_free_bytes=..., gpu_memory_fraction=...)"
+               f" or GPUMEM_MIN_FREE_BYTES / GPUMEM_GPU_MEMORY_FRACTION)")

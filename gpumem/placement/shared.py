@@ -27,9 +27,10 @@ an existing default manager.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
-from typing import Any
+from typing import Any, Iterable, Iterator
 
 from gpumem.backends import canonical_device, default_device
 from gpumem.config import MemoryConfig
@@ -41,6 +42,9 @@ __all__ = ["get_manager", "configure", "shared_managers", "close_shared_managers
 _lock = threading.Lock()
 _shared: dict[str, MemoryManager] = {}
 _fast: dict[str | None, MemoryManager] = {}     # spelling as given -> its shared manager
+#: MemoryConfig changes for the shared managers made on these canonical devices (the pytest
+#: plug-in turns tracking on, so that a leak report names tags); set by config_changes_for
+_changes: dict[str, dict[str, Any]] = {}
 
 
 def _key(device: str | None) -> str:
@@ -68,7 +72,7 @@ def get_manager(device: str | None = None) -> MemoryManager:
     with _lock:
         mgr = _shared.get(key)
         if mgr is None or mgr.closed:
-            mgr = MemoryManager(key, MemoryConfig.from_env())
+            mgr = MemoryManager(key, MemoryConfig.from_env().replace(**_changes.get(key, {})))
             _shared[key] = mgr
         _fast[device] = mgr
         return mgr
@@ -94,6 +98,9 @@ def configure(device: str | None = None, config: MemoryConfig | None = None, *,
     cfg = config if config is not None else MemoryConfig.from_env()
     if knobs:
         cfg = cfg.replace(**knobs)          # unknown or invalid knobs: InvalidInputError
+    extra = {k: v for k, v in _changes.get(key, {}).items() if k not in knobs}
+    if extra:
+        cfg = cfg.replace(**extra)
     with _lock:
         old = _shared.get(key)
         if old is not None and not old.closed and not force:
@@ -117,6 +124,28 @@ def _after_fork_in_child() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+@contextlib.contextmanager
+def config_changes_for(devices: Iterable[str], **changes: Any) -> Iterator[None]:
+    """While inside, every shared manager made for ``devices`` (by get_manager, or configure
+    where its knobs do not name the field) gets these MemoryConfig ``changes``. The pytest
+    plug-in's devices use it to turn tracking on, so that a leak names its buffers."""
+    keys = [_key(d) for d in devices]
+    MemoryConfig().replace(**changes)       # unknown or invalid changes fail here
+    with _lock:
+        before = {k: _changes.get(k) for k in keys}
+        for k in keys:
+            _changes[k] = dict(changes)
+    try:
+        yield
+    finally:
+        with _lock:
+            for k, old in before.items():
+                if old is None:
+                    _changes.pop(k, None)
+                else:
+                    _changes[k] = old
 
 
 def shared_managers() -> dict[str, MemoryManager]:

@@ -1,11 +1,13 @@
 """Leak checks for tests: which buffers a manager still holds, as a message a person can act on."""
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 from gpumem.units import format_bytes
 
-__all__ = ["leak_report", "assert_no_leaks", "shared_managers_on", "close_shared_managers_on"]
+__all__ = ["leak_report", "assert_no_leaks", "shared_managers_on", "close_shared_managers_on",
+           "shared_config_changes"]
 
 
 def leak_report(manager: Any, *, at: str = "the end of the test") -> str:
@@ -48,6 +50,19 @@ def shared_managers_on(device_strings: Any) -> list[Any]:
 
 def close_shared_managers_on(device_strings: Any) -> None:
     """Close the shared managers of these devices: the next ``get_manager`` makes a fresh one
-    (on a fresh simulated device after the plug-in installed new ones)."""
+    (on a fresh simulated device after the plug-in installed new ones). Their leaks were
+    reported by :func:`leak_report`: close() does not log them again."""
     for manager in shared_managers_on(device_strings):
+        if getattr(manager, "tracker", None) is not None:
+            manager.tracker.clear()
         manager.close()
+
+
+def shared_config_changes(device_strings: Any, **changes: Any) -> Any:
+    """A context in which the shared managers made on these devices get these MemoryConfig
+    changes (none where this gpumem has no shared managers)."""
+    try:
+        from gpumem.placement.shared import config_changes_for
+    except ImportError:
+        return contextlib.nullcontext()
+    return config_changes_for(list(device_strings), **changes)

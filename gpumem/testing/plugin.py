@@ -17,7 +17,8 @@ from gpumem.testing.devices import (DEFAULT_DEVICES, ENV_VAR, DevicesUnavailable
                                     FaultInjector, GpumemDevices, backend_choices,
                                     check_backend, install_devices, map_to_backend,
                                     parse_device_specs)
-from gpumem.testing.leaks import close_shared_managers_on, leak_report, shared_managers_on
+from gpumem.testing.leaks import (close_shared_managers_on, leak_report, shared_config_changes,
+                                  shared_managers_on)
 
 MARKER_KEYS = ("devices", "faults", "config")
 
@@ -91,7 +92,9 @@ def gpumem_devices(request: pytest.FixtureRequest) -> Iterator[GpumemDevices]:
                 FaultInjector(devices).apply(faults, what="@pytest.mark.gpumem(faults=...)")
             close_shared_managers_on(devices)       # made on earlier tests' devices
             try:
-                yield devices
+                # shared managers of these devices track allocations: a leak names its tags
+                with shared_config_changes(devices, track_allocations=True):
+                    yield devices
             finally:
                 leaks = [leak_report(m) for m in shared_managers_on(devices)]
                 close_shared_managers_on(devices)

@@ -113,17 +113,24 @@ def test_shared_managers_start_fresh_and_are_leak_checked(suite):
         def test_leaks_through_library_code(gpumem_devices):
             mm = gpumem.get_manager("sim:0")
             assert mm.device is gpumem_devices.sim[0]
-            kept.append(mm.malloc(1 << 20))
+            kept.append(mm.malloc(1 << 20, tag="kv-cache"))
+        def test_leaks_after_configure(gpumem_devices):
+            mm = gpumem.configure("sim:0", max_pool_size="64MiB")
+            kept.append(mm.malloc(3 << 20, tag="reconfigured"))
         def test_next_is_fresh(gpumem_devices):
             mm = gpumem.get_manager("sim:0")
             assert mm.device is gpumem_devices.sim[0] and mm.stats().active_buffers == 0
             with mm.malloc(1 << 20):
                 pass
     """)
-    result.assert_outcomes(passed=2, errors=1)
+    result.assert_outcomes(passed=3, errors=2)
+    # docs/testing.md promises the tags and sizes of what a shared manager still holds
     result.stdout.fnmatch_lines(["*ERROR at teardown of test_leaks_through_library_code*",
                                  "*left buffers alive on a shared manager*",
-                                 "*1 buffer(s) still live on sim:0*"])
+                                 "*1 buffer(s) still live on sim:0*",
+                                 "*1.00 MiB on sim:0 tag='kv-cache'*",
+                                 "*ERROR at teardown of test_leaks_after_configure*",
+                                 "*3.00 MiB on sim:0 tag='reconfigured'*"])
 
 
 def test_marker_faults_and_config_reach_the_oom_ladder(suite):
