@@ -72,13 +72,15 @@ cdef class CupyAllocatorCore:
     def __call__(self, size):
         cdef int device
         cdef ManagerCore mm
+        cdef Buffer buf
         cdef long long n = -1
         cdef int overflow = 0
         cdef uint64_t s
         if self._get_device is None:
             raise TypeError("CupyAllocatorCore is configured by its subclass: use "
                             "gpumem.integrations.cupy.allocator()")
-        device = self._get_device()
+        device_index = self._get_device()
+        device = device_index
         if self._bound is not None:
             mm = self._bound
             if device != self.device_id:
@@ -87,20 +89,21 @@ cdef class CupyAllocatorCore:
                     f"{mm.device_string}; use one allocator per device or manager=None")
         else:
             mm = self._shared_manager(device)
-        s = _stream_handle(mm, self._get_stream(device).ptr)
+        s = _stream_handle(mm, self._get_stream(device_index).ptr)
         if type(size) is int:             # C compares only, as in ManagerCore.malloc
             n = PyLong_AsLongLongAndOverflow(size, &overflow)
         try:
             if overflow or not 0 <= n < _SIZE_LIMIT:
                 buf = mm.malloc(size, stream=s, tag=_TAG, fallback=False)   # raises
+                size = buf.nbytes
             else:
                 # fallback False: host memory cannot back a CuPy array, so an exhausted
                 # device raises at once instead of taking host memory to give it back
                 buf = mm._malloc_c(n, s, _TAG, False)
         except OutOfMemoryError as exc:
             raise self._convert_oom(exc) from None
-        mem = self._memory_type((<Buffer>buf)._ptr, (<Buffer>buf).nbytes, buf, device)
-        return self._pointer_type(mem, 0)
+        # CuPy's objects get the Python ints already at hand (`size`, `device_index`)
+        return self._pointer_type(self._memory_type(buf._ptr, size, buf, device_index), 0)
 
     cdef ManagerCore _shared_manager(self, int device):
         """gpumem.get_manager(f"cuda:{device}"), remembered per device: a shared manager that
