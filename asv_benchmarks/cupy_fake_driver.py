@@ -2,6 +2,7 @@
 plus drop, beside what the same process pays for the parts of it.
 
     LD_LIBRARY_PATH=build/fake_cuda python asv_benchmarks/cupy_fake_driver.py [--repeats 41]
+        [--against REV]     # also REV's gpumem/integrations/cupy.py (git show), same process
 
 CuPy's runtime cannot start on the fake driver (the CUDA runtime needs driver internals,
 ``cuGetExportTable``), so CuPy's two queries are replaced by C callables, as cheap as CuPy's
@@ -16,14 +17,20 @@ alternates every repeat) by this thread's CPU time, medians of ``repeats`` runs 
   ``MemoryPointer``: what CuPy's ``alloc`` and the call of any allocator cost;
 - ``cupy objects``: ``MemoryPointer(UnownedMemory(ptr, n, owner, 0), 0)`` built and dropped, the
   CuPy objects an outside allocator hands back;
-- ``gpumem malloc``: ``mm.malloc(n, stream=s)`` and drop, gpumem's own Python-level pair.
+- ``gpumem malloc``: ``mm.malloc(n, stream=s)`` and drop, gpumem's own Python-level pair;
+- with ``--against REV``: ``gpumem at REV``, the first row through the allocator of REV's
+  ``cupy.py`` run on this checkout's core (an allocator written in Python against the public
+  API, as before the C one, runs there unchanged), and the paired ratio of the two rows.
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import itertools
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -35,9 +42,24 @@ ITER = 20_000
 _clock = time.thread_time_ns
 
 
+def allocator_module_at(rev: str):
+    """gpumem/integrations/cupy.py as of git revision `rev`, imported under another name."""
+    repo = Path(__file__).resolve().parents[1]
+    source = subprocess.run(["git", "show", f"{rev}:gpumem/integrations/cupy.py"], cwd=repo,
+                            capture_output=True, text=True, check=True).stdout
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
+        f.write(source)
+    spec = importlib.util.spec_from_file_location("gpumem_cupy_at_rev", f.name)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    Path(f.name).unlink()
+    return module
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=41)
+    ap.add_argument("--against", metavar="REV", help="also time REV's allocator")
     args = ap.parse_args()
     import ctypes
     try:
@@ -65,19 +87,18 @@ def main() -> int:
     constant_allocator = {NBYTES: prebuilt}.__getitem__
     unowned, pointer, ptr = cupy.cuda.UnownedMemory, cupy.cuda.MemoryPointer, owner.ptr
 
-    def through_gpumem() -> int:
-        cupy.cuda.set_allocator(gpumem_allocator)
+    def timed_alloc(allocator) -> int:
+        cupy.cuda.set_allocator(allocator)
         t0 = _clock()
         for _ in range(ITER):
             alloc(NBYTES)
         return _clock() - t0
 
+    def through_gpumem() -> int:
+        return timed_alloc(gpumem_allocator)
+
     def alloc_floor() -> int:
-        cupy.cuda.set_allocator(constant_allocator)
-        t0 = _clock()
-        for _ in range(ITER):
-            alloc(NBYTES)
-        return _clock() - t0
+        return timed_alloc(constant_allocator)
 
     def cupy_objects() -> int:
         t0 = _clock()
@@ -94,6 +115,9 @@ def main() -> int:
 
     rows = {"gpumem": through_gpumem, "cupy alloc() floor": alloc_floor,
             "cupy objects": cupy_objects, "gpumem malloc": gpumem_malloc}
+    if args.against:
+        old_allocator = allocator_module_at(args.against).allocator(mm)
+        rows[f"gpumem at {args.against}"] = lambda: timed_alloc(old_allocator)
     through_gpumem()                                  # warm: the first call makes the segment
     samples: dict[str, list[float]] = {name: [] for name in rows}
     order = list(rows)
@@ -107,6 +131,11 @@ def main() -> int:
     for name, xs in samples.items():
         q = statistics.quantiles(xs, n=4)
         print(f"  {name:<20} {statistics.median(xs):7.0f}  [{q[0]:.0f}, {q[2]:.0f}]")
+    if args.against:
+        ratios = [b / a for a, b in zip(samples["gpumem"], samples[f"gpumem at {args.against}"])]
+        q = statistics.quantiles(ratios, n=4)
+        print(f"  {args.against} / now, paired: {statistics.median(ratios):.2f} "
+              f"[{q[0]:.2f}, {q[2]:.2f}]")
     del prebuilt, owner
     mm.device.destroy_stream(stream)
     mm.close()
