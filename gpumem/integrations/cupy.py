@@ -37,8 +37,10 @@ from gpumem.integrations.manager_checks import cuda_device_index, require_host_m
 if TYPE_CHECKING:
     from gpumem.manager.memory_manager import MemoryManager
 
+# CupyOutOfMemoryError is public too, but made on first access (it derives from a CuPy class):
+# left out of __all__ so that `import *` works where CuPy is absent
 __all__ = ["allocator", "pinned_allocator", "use_gpumem", "GpumemCupyAllocator",
-           "GpumemPinnedAllocator", "CupyOutOfMemoryError"]
+           "GpumemPinnedAllocator"]
 
 _CUPY_OOM: "type[OutOfMemoryError] | None" = None
 

@@ -14,6 +14,7 @@ CHILD = textwrap.dedent("""
     import sys
     sys.modules["cupy"] = None                    # `import cupy` raises ImportError
     from gpumem.integrations import cupy as gm_cupy
+    from gpumem.integrations.cupy import *        # every name in __all__ is there
     from gpumem.integrations._cupy_alloc import CupyAllocatorCore
     try:
         gm_cupy.allocator()
@@ -32,7 +33,8 @@ CHILD = textwrap.dedent("""
 
 
 def test_the_cupy_bridge_imports_without_cupy():
-    """Without CuPy the bridge and its extension import; making an allocator raises
+    """Without CuPy the bridge and its extension import (``import *`` too); making an
+    allocator raises
     ImportError naming cupy, and the extension's core, not configured by the bridge, refuses
     a request with a TypeError naming the function to use instead of crashing."""
     out = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True,
