@@ -146,12 +146,14 @@ def test_a_hit_runs_no_python_frame(cuda_manager, monkeypatch):
             if event == "call":
                 frames.append(f"{frame.f_code.co_filename}:{frame.f_code.co_name}")
 
+        gc.disable()                              # a collection could run others' callbacks
         sys.setprofile(profiler)
         try:
             p = alloc(1000)
             del p
         finally:
             sys.setprofile(None)
+            gc.enable()
         assert frames == []
         assert mm.stats().num_allocs == 2 and mm.stats().in_use_bytes == 0
     finally:
