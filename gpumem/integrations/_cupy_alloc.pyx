@@ -22,7 +22,6 @@ Thread safety: an allocator's fields are set once, by ``_configure``; the per-de
 shared managers is a list changed under the GIL (two threads refreshing it at once both store
 the same manager, ``gpumem.get_manager``'s).
 """
-cimport cython
 from cpython.long cimport PyLong_AsLongLongAndOverflow
 from libc.stdint cimport uint64_t
 
