@@ -76,6 +76,11 @@ EXTENSIONS = [
 EXTENSIONS.append(Extension(
     "gpumem.integrations._torch_alloc", ["gpumem/integrations/_torch_alloc.pyx"],
     language="c++", extra_compile_args=extra, define_macros=[("CYTHON_EXTERN_C", 'extern "C"')]))
+# CuPy's allocator hot path (gpumem.integrations.cupy): it knows no CuPy type at compile time,
+# so it builds and imports where CuPy is absent.
+EXTENSIONS.append(Extension(
+    "gpumem.integrations._cupy_alloc", ["gpumem/integrations/_cupy_alloc.pyx"],
+    language="c++", extra_compile_args=extra))
 
 
 class CythonizingBuildExt(build_ext):

@@ -5,12 +5,16 @@
 
 For each framework two child processes run (a framework's allocator is chosen once per
 process): one with the framework's own allocator, one through gpumem. Each child first checks
-real work (CuPy: array arithmetic; Numba: a kernel; torch: a training step with gpumem as
-CUDAPluggableAllocator, whose loss must fall), then times a hit: ``ITER`` allocations of
-``NBYTES`` that are dropped at once (CuPy ``cupy.cuda.alloc``, Numba ``context.memalloc``, torch
-``torch.empty``), median ns per alloc+free over ``REPEATS``. The table gives both and the ratio
-own / gpumem (above 1: gpumem is faster). A framework that is not installed, or a run without
-a GPU, is reported as skipped with the reason; the exit status is 1 only when a check fails.
+real work (CuPy: array arithmetic, an ElementwiseKernel and reductions whose values must be the
+same through both, and through gpumem a block filed under CuPy's current stream; Numba: a
+kernel; torch: a training step with gpumem as CUDAPluggableAllocator, whose loss must fall),
+then times a hit: ``ITER`` allocations of ``NBYTES`` that are dropped at once (CuPy
+``cupy.cuda.alloc``, through gpumem the C allocator of gpumem/integrations/_cupy_alloc.pyx;
+Numba ``context.memalloc``; torch ``torch.empty``), median ns per alloc+free over ``REPEATS``.
+The table gives both and the ratio own / gpumem (above 1: gpumem is faster); CuPy's row fails
+when the values of its checks differ between the two. A framework that is not installed, or
+a run without a GPU, is reported as skipped with the reason; the exit status is 1 only when a
+check fails.
 Numba has no pool of its own: its default is cuMemAlloc with deferred cuMemFree.
 """
 from __future__ import annotations
@@ -48,6 +52,7 @@ def the_manager():
 # --- children ---------------------------------------------------------------------------------
 def child_cupy(mode: str) -> dict:
     import cupy
+    import numpy as np
     mm = None
     if mode == "gpumem":
         from gpumem.integrations import cupy as gm_cupy
@@ -58,14 +63,28 @@ def child_cupy(mode: str) -> dict:
     x = cupy.arange(1 << 20, dtype=cupy.float64)
     total = float((x * 2).sum())
     assert total == float((1 << 20) * ((1 << 20) - 1)), total
+    square_plus_one = cupy.ElementwiseKernel("float64 x", "float64 y", "y = x * x + 1",
+                                             "gpumem_check_square_plus_one")
+    y = square_plus_one(x[:4096])
+    expected = np.arange(4096, dtype=np.float64) ** 2 + 1
+    assert (cupy.asnumpy(y) == expected).all()
+    results = {"2x sum": total, "kernel sum": float(y.sum()), "norm": float(cupy.linalg.norm(y)),
+               "max": float(x.max())}
     if mm is not None:
         assert mm.stats().in_use_bytes >= x.nbytes
-    del x
+        with cupy.cuda.Stream() as stream:       # gpumem files the block under CuPy's stream
+            p = cupy.cuda.alloc(1 << 16)
+            assert p.mem._owner.stream == stream.ptr, (p.mem._owner.stream, stream.ptr)
+            in_use = mm.stats().in_use_bytes
+            del p
+            assert mm.stats().in_use_bytes == in_use - (1 << 16)
+    del x, y
 
     def loop(k: int) -> None:
         for _ in range(k):
             cupy.cuda.alloc(NBYTES)
-    return {"check": "arange * 2, sum", "hit_pair_ns": per_pair_ns(loop)}
+    return {"check": "arange * 2, sum, an ElementwiseKernel, norm, max", "results": results,
+            "hit_pair_ns": per_pair_ns(loop)}
 
 
 def child_numba(mode: str) -> dict:
@@ -186,6 +205,11 @@ def main() -> int:
         if "failed" in own or "failed" in gm:
             failed = failed or "failed" in gm
             print(f"{fw:<8} FAILED  own: {own.get('failed', 'ok')}  gpumem: {gm.get('failed', 'ok')}")
+            continue
+        if own.get("results") != gm.get("results"):     # the same work must give the same values
+            failed = True
+            print(f"{fw:<8} FAILED  results differ: own {own.get('results')}, "
+                  f"gpumem {gm.get('results')}")
             continue
         ratio = own["hit_pair_ns"] / gm["hit_pair_ns"]
         print(f"{fw:<8} {own['hit_pair_ns']:>12.0f} {gm['hit_pair_ns']:>10.0f} {ratio:>10.2f}  "
