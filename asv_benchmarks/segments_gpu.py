@@ -22,7 +22,8 @@ is printed and written with every sample as JSON to ``--out``.
 ``--device sim:<size>`` runs gpumem's rows on a simulated device of that size and PyTorch's rows
 on gpumem.planning.torch_replay.replay_torch_model (the model of its allocator), still one
 process each, so the script runs without a GPU; its times are the sim's and the model's, not a
-card's. A cuda device without torch or a usable CUDA driver exits 2 with the reason.
+card's (the JSON adds each cell's modeled driver time: ``modeled_driver_ms``). A cuda device
+without torch or a usable CUDA driver exits 2 with the reason.
 """
 from __future__ import annotations
 
@@ -119,7 +120,8 @@ def _model_runs(data: Any, capacity: int, conf: str, repeat: int) -> dict:
     for _ in range(repeat):
         r = replay_torch_model(data, capacity=capacity, conf=conf)
         runs.append({"wall_s": r.duration_s, "peak_reserved_bytes": r.peak_reserved_bytes,
-                     "peak_live_bytes": r.peak_live_bytes, "num_ooms": r.num_ooms})
+                     "peak_live_bytes": r.peak_live_bytes, "num_ooms": r.num_ooms,
+                     "modeled_driver_s": r.modeled_driver_seconds or 0.0})
     return {"runs": runs, "torch": "gpumem.TorchAllocatorModel"}
 
 
@@ -163,15 +165,20 @@ def spawn(trace_file: Path, device: str, conf: str, repeat: int, capacity: int) 
 
 # --- the parent --------------------------------------------------------------------------------
 def summarize(runs: list[dict]) -> dict:
-    """One cell from its runs: medians, and every sample."""
+    """One cell from its runs: medians, and every sample. On sim, also the driver time the
+    cost model prices the run's calls at (gpumem_sim.driver_costs), which the wall time of a
+    simulated replay leaves out."""
     walls = [r["wall_s"] for r in runs]
     reserved = int(statistics.median(r["peak_reserved_bytes"] for r in runs))
     live = max(r["peak_live_bytes"] for r in runs)
-    return {"wall_ms": statistics.median(walls) * 1e3, "peak_reserved_bytes": reserved,
+    cell = {"wall_ms": statistics.median(walls) * 1e3, "peak_reserved_bytes": reserved,
             "peak_live_bytes": live, "reserved_live_ratio": reserved / live if live else 0.0,
             "num_ooms": max(r["num_ooms"] for r in runs),
             "wall_ms_samples": [w * 1e3 for w in walls],
             "peak_reserved_samples": [r["peak_reserved_bytes"] for r in runs]}
+    if all("modeled_driver_s" in r for r in runs):
+        cell["modeled_driver_ms"] = statistics.median(r["modeled_driver_s"] for r in runs) * 1e3
+    return cell
 
 
 def gpumem_cell(data: Any, device: str, setting: str, repeat: int) -> dict:
@@ -182,6 +189,8 @@ def gpumem_cell(data: Any, device: str, setting: str, repeat: int) -> dict:
         r = gpumem.replay(data, device, cfg)
         runs.append({"wall_s": r.duration_s, "peak_reserved_bytes": r.peak_reserved_bytes,
                      "peak_live_bytes": r.peak_live_bytes, "num_ooms": r.num_ooms})
+        if device.startswith("sim:"):
+            runs[-1]["modeled_driver_s"] = r.modeled_driver_seconds
     return summarize(runs)
 
 

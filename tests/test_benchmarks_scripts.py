@@ -70,8 +70,9 @@ def test_sim_mode_prints_one_row_per_trace_with_every_column(script, sim_run):
 def test_sim_mode_json_holds_each_setting_measured_as_named(script, sim_run, small_trace):
     """Each column of the JSON is the replay it names: gpumem's cells carry the peak reserved
     of gpumem.replay with that setting, PyTorch's those of the model with that
-    PYTORCH_CUDA_ALLOC_CONF (so the child got its configuration), every cell counts the
-    trace's peak live bytes, holds ``--repeat`` samples, and the ratios are the cells'."""
+    PYTORCH_CUDA_ALLOC_CONF (so the child got its configuration), each with the modeled driver
+    time of that same replay; every cell counts the trace's peak live bytes and holds
+    ``--repeat`` samples, and the ratios are the cells'."""
     _, doc = sim_run
     assert {"date", "device", "level", "repeat", "columns", "settings_made_by", "rows",
             "table"} <= set(doc)
@@ -87,11 +88,15 @@ def test_sim_mode_json_holds_each_setting_measured_as_named(script, sim_run, sma
         assert cell["num_ooms"] == 0 and cell["peak_reserved_bytes"] >= data.peak_live_bytes
     for setting in script.SETTINGS:
         cfg, _ = script.segments_config(setting)
-        want = replay(data, CAPACITY, cfg).peak_reserved_bytes
-        assert row["cells"][setting]["peak_reserved_bytes"] == want, setting
+        want = replay(data, CAPACITY, cfg)
+        assert row["cells"][setting]["peak_reserved_bytes"] == want.peak_reserved_bytes, setting
+        assert row["cells"][setting]["modeled_driver_ms"] == pytest.approx(
+            want.modeled_driver_seconds * 1e3), setting
     for column, conf in script.TORCH_CONFS.items():
-        want = replay_torch_model(data, capacity=80 << 30, conf=conf).peak_reserved_bytes
-        assert row["cells"][column]["peak_reserved_bytes"] == want, column
+        want = replay_torch_model(data, capacity=80 << 30, conf=conf)
+        assert row["cells"][column]["peak_reserved_bytes"] == want.peak_reserved_bytes, column
+        assert row["cells"][column]["modeled_driver_ms"] == pytest.approx(
+            want.modeled_driver_seconds * 1e3), column
     # the two PyTorch rows differ on this trace: the conf did reach the model
     assert row["cells"]["PyTorch"]["peak_reserved_bytes"] != \
         row["cells"]["PyTorch expandable"]["peak_reserved_bytes"]
