@@ -15,7 +15,8 @@
 #                                GPU machine): install nothing, use what $PYTHON has
 #   VENV=none                    install gpumem into $PYTHON's own environment (no new venv)
 #   STEP_TIMEOUT=300             stop any one step (a pytest pass, a benchmark) after N seconds
-#   QUICK=1                      the benchmarks' --quick (fewer, shorter repeats)
+#   QUICK=1                      the benchmarks' --quick (fewer, shorter repeats; segments_gpu.py:
+#                                one run of the shipped traces only)
 #   PYTEST_ARGS="..."            more pytest arguments (e.g. --timeout=120)
 #
 # Exit status: non-zero if the tests fail (or CUDA is unavailable without ALLOW_NO_CUDA=1).
@@ -158,6 +159,16 @@ log "driver call costs against the sim's model; traces replayed on the card and 
 step python asv_benchmarks/driver_costs_gpu.py --json "$REPORT_DIR/driver-costs.json" \
     || echo "driver_costs_gpu.py failed (exit $?)"
 
+log "segment settings (auto, tight, fast, plain) against PyTorch's allocator, trace by trace"
+# exit 2: no torch (or no usable CUDA) here, reported as skipped; QUICK: one run, shipped traces
+segments_status="ok"
+SEGMENTS_ARGS=(--repeat 3)
+[ "${QUICK:-0}" = 1 ] && SEGMENTS_ARGS=(--repeat 1 --no-synthetic)
+step python asv_benchmarks/segments_gpu.py --device cuda:0 "${SEGMENTS_ARGS[@]}" \
+    --out "$REPORT_DIR/segments-gpu.json" || {
+    rc=$?; [ "$rc" = 2 ] && segments_status="skipped (no torch or CUDA)" \
+        || segments_status="failed (exit $rc)"; }
+
 log "CuPy, Numba, PyTorch through gpumem: real work, hit latency against their own pools"
 frameworks_status="ok"
 step python asv_benchmarks/frameworks_gpu.py || frameworks_status="failed (exit $?)"
@@ -165,11 +176,11 @@ step python asv_benchmarks/frameworks_gpu.py || frameworks_status="failed (exit 
 # --- 6. summary -------------------------------------------------------------------------------
 log "summary"
 python - "$JUNIT" "$GPU_MODEL" "$BACKENDS" "$bench_status" "$test_rc" "$frameworks_status" \
-    "$seed_status" <<'EOF'
+    "$seed_status" "$segments_status" <<'EOF'
 import sys
 import xml.etree.ElementTree as ET
 
-junit, gpu, backends, bench, rc, frameworks, seed = sys.argv[1:]
+junit, gpu, backends, bench, rc, frameworks, seed, segments = sys.argv[1:]
 counts = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
 try:
     root = ET.parse(junit).getroot()
@@ -191,6 +202,7 @@ rows = [
     ("benchmark compare", bench),
     ("seed table", seed),
     ("frameworks", frameworks),
+    ("segments vs torch", segments),
 ]
 width = max(len(k) for k, _ in rows)
 print("+" + "-" * (width + 2) + "+" + "-" * 62 + "+")
