@@ -275,27 +275,29 @@ def _smallest_card(cand: Candidate, card: Card, fits_here: bool, floor: int) -> 
     return -(-hi // MiB) * MiB
 
 
-def _limit(cand: Candidate, capacity: int) -> str:
-    """What bounds the row on this card: the tightest of its settings' limits, or the card;
-    and the cache cap when the row fits without it."""
+def _limit(cand: Candidate, capacity: int, peak_live: int) -> str:
+    """What bounds a row on this card: the tightest of its settings' limits (the memory
+    fraction, the free-memory margin, a fixed reserve) or the card itself. (A cache cap,
+    ``max_pool_size``, only ever returns memory: it costs driver calls, never a fit.)"""
     fb = format_bytes
     if cand.allocator == "torch":
-        return f"the card: {fb(capacity)} for PyTorch"
-    cfg = cand.memory_config()
-    terms = []
-    if cfg.gpu_memory_fraction < 1.0:
-        terms.append((int(capacity * cfg.gpu_memory_fraction),
-                      f"gpu_memory_fraction={cfg.gpu_memory_fraction:g}"))
-    if cfg.min_free_bytes:
-        terms.append((capacity - cfg.min_free_bytes, f"min_free_bytes={_short(cfg.min_free_bytes)}"))
-    if cfg.reserve_bytes:
-        terms.append((capacity - cfg.reserve_bytes, f"reserve_bytes={_short(cfg.reserve_bytes)}"))
-    terms.append((capacity, "the card"))
-    bound, name = min(terms, key=lambda t: t[0])
-    text = f"{name}: pool <= {fb(max(bound, 0))}"
-    if cfg.max_pool_size is not None and \
-            _fits(_run(cand, capacity, config=cfg.replace(max_pool_size=None))):
-        text = f"max_pool_size={_short(cfg.max_pool_size)} (the cache cap; fits without it), {text}"
+        text, bound = f"the card: {fb(capacity)} for PyTorch", capacity
+    else:
+        cfg = cand.memory_config()
+        terms = [(capacity, "the card")]
+        if cfg.gpu_memory_fraction < 1.0:
+            terms.append((int(capacity * cfg.gpu_memory_fraction),
+                          f"gpu_memory_fraction={cfg.gpu_memory_fraction:g}"))
+        if cfg.min_free_bytes:
+            terms.append((capacity - cfg.min_free_bytes,
+                          f"min_free_bytes={_short(cfg.min_free_bytes)}"))
+        if cfg.reserve_bytes:
+            terms.append((capacity - cfg.reserve_bytes,
+                          f"reserve_bytes={_short(cfg.reserve_bytes)}"))
+        bound, name = min(terms, key=lambda t: t[0])
+        text = f"{name}: pool <= {fb(max(bound, 0))}"
+    if peak_live > bound:
+        text += f", below the trace's {fb(peak_live)} live at its peak"
     return text
 
 
@@ -307,7 +309,7 @@ def _evaluate(cand: Candidate, card: Card, floor: int, headroom: int,
         fits = _fits(res)
         margin = fits and capacity > headroom and _fits(_run(cand, capacity - headroom))
         smallest = _smallest_card(cand, card, fits, floor) if find_min or not fits else None
-        limit = None if fits else _limit(cand, capacity)
+        limit = None if fits else _limit(cand, capacity, floor)
     return {
         "allocator": cand.allocator, "config": cand.config, "label": cand.label,
         "capacity": capacity,
