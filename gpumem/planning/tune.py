@@ -363,9 +363,11 @@ class TuneResult:
         """The first (best) row of ``allocator``."""
         return next((r for r in self.rows if r["allocator"] == allocator), None)
 
-    def smallest_card(self) -> dict[str, Any] | None:
-        """The row that needs the smallest card (None when no row has one)."""
-        rows = [r for r in self.rows if r["min_capacity_bytes"] is not None]
+    def smallest_card(self, allocator: str | None = None) -> dict[str, Any] | None:
+        """The row (of ``allocator``, or of either) that needs the smallest card; None when
+        no row has one."""
+        rows = [r for r in self.rows if r["min_capacity_bytes"] is not None
+                and allocator in (None, r["allocator"])]
         return min(rows, key=lambda r: (r["min_capacity_bytes"], objective(r)), default=None)
 
     def as_dict(self) -> dict[str, Any]:
@@ -404,7 +406,7 @@ def tune(trace: Any, device: str | int = "24GiB", *, card_kind: str = "cuda",
     ``find_min_capacity``: the smallest card of every row (rows that do not fit get it
     always). ``headroom_fraction``: see :func:`headroom_bytes`. ``record_series`` also
     replays the best gpumem and best torch rows again to keep their live and reserved bytes
-    over time (``result.series``, for :func:`plot_tune`). ``progress``: True for a tqdm bar
+    over time (``result.series``, for :func:`gpumem.observe.plot.plot_reserved_comparison`). ``progress``: True for a tqdm bar
     (when tqdm is installed), or ``f(done, total)``.
     """
     import time

@@ -101,7 +101,6 @@ def _paste(row: dict[str, Any]) -> str:
 
 def render(result: "TuneResult") -> str:
     """The whole report: assumptions, table, legend, recommendation."""
-    fb = format_bytes
     card = result.card
     lines = [f"tune {result.trace} on {card.describe()}: {len(result.rows)} candidates in "
              f"{result.duration_s:.1f} s ({result.jobs} process(es))"]
@@ -115,22 +114,17 @@ def render(result: "TuneResult") -> str:
     lines += [f"  {r['id']:<4} {_paste(r)}" for r in
               sorted(result.rows, key=lambda r: (r["id"][0], int(r["id"][1:])))]
     lines.append("")
-    allocators = [a for a in ("gpumem", "torch") if result.best(a) is not None]
-    if not any(r["fits"] for r in result.rows):
-        small = result.smallest_card()
-        lines.append(f"nothing fits on {card.describe()}" + (
-            "" if small is None else
-            f"; the smallest card that would: {card.resized(small['min_capacity_bytes']).describe()} "
-            f"({small['id']}: {_paste(small)})"))
-    for alloc in allocators:
+    for alloc in ("gpumem", "torch"):
         best = result.best(alloc)
+        if best is None:
+            continue
         if not best["fits"]:
-            small = min((r for r in result.rows if r["allocator"] == alloc
-                         and r["min_capacity_bytes"] is not None),
-                        key=lambda r: r["min_capacity_bytes"], default=None)
-            if small is not None and any(r["fits"] for r in result.rows):
-                lines.append(f"{_WHO[alloc]}: nothing fits; the smallest card that would: "
-                             f"{fb(small['min_capacity_bytes'])} ({small['id']})")
+            small = result.smallest_card(alloc)
+            lines.append(f"{_WHO[alloc]}: nothing fits on {card.describe()}" + (
+                "" if small is None else
+                f"; the smallest card that would: "
+                f"{card.resized(small['min_capacity_bytes']).describe()} "
+                f"({small['id']}: {_paste(small)})"))
             continue
         note = "" if best["fits_with_margin"] else " (fits, but NOT with margin)"
         lines.append(f"recommended for {_WHO[alloc]}{note}: {_paste(best)}")
