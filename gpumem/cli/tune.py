@@ -8,8 +8,8 @@ from gpumem.cli.common import EXIT_OK, EXIT_USAGE, CliError, DEMO_TRACE, say, wr
 
 def cmd_tune(args: argparse.Namespace) -> int:
     from gpumem.errors import InvalidInputError
-    from gpumem.planning.tune import (GRID_MAX_SPLITS, PRESETS, device_capacity, gpumem_grid,
-                                      tune)
+    from gpumem.planning.card import Card, card_size
+    from gpumem.planning.tune import PRESETS, SEGMENT_POLICIES, gpumem_grid, tune
     if args.plot:                               # fail before the replays, not after
         try:
             import matplotlib  # noqa: F401
@@ -17,17 +17,17 @@ def cmd_tune(args: argparse.Namespace) -> int:
             from gpumem.observe.plot import INSTALL_HINT
             raise CliError(f"--plot needs matplotlib: {INSTALL_HINT}", EXIT_USAGE) from None
     try:
-        device_capacity(args.device)            # a device without a size fails before reading
-        presets = PRESETS if args.presets is None else \
-            tuple(p.strip() for p in args.presets.split(",") if p.strip())
-        gpumem_cands = [] if args.allocator == "torch" else gpumem_grid(presets,
-                                                                        GRID_MAX_SPLITS)
+        Card(card_size(args.device), args.card_kind)   # a card without a size fails first
+        presets = PRESETS if args.presets is None else _names(args.presets)
+        policies = tuple(SEGMENT_POLICIES) if args.segments is None else _names(args.segments)
+        gpumem_cands = [] if args.allocator == "torch" else gpumem_grid(presets, policies)
         torch_confs = [] if args.allocator == "gpumem" else args.torch_conf
         result = tune(DEMO_TRACE if args.trace == "demo" else args.trace, args.device,
-                      gpumem_configs=gpumem_cands, torch_confs=torch_confs, jobs=args.jobs,
+                      card_kind=args.card_kind, gpumem_configs=gpumem_cands,
+                      torch_confs=torch_confs, jobs=args.jobs,
                       find_min_capacity=not args.no_min_capacity,
                       record_series=bool(args.plot), progress=_progress_flag(args.progress))
-    except InvalidInputError as exc:            # a bad trace, device, grid or setting
+    except InvalidInputError as exc:            # a bad trace, card, grid or setting
         raise CliError(str(exc), EXIT_USAGE) from None
     say(result.table())
     if args.json:
@@ -35,8 +35,12 @@ def cmd_tune(args: argparse.Namespace) -> int:
     if args.plot:
         from gpumem.observe.plot import plot_reserved_comparison
         title = f"Reserved memory of the best settings: {result.trace}"
-        say(f"wrote {plot_reserved_comparison(result.series, args.plot, title=title, capacity=result.capacity)}")
+        say(f"wrote {plot_reserved_comparison(result.series, args.plot, title=title, capacity=result.card.gpumem_bytes)}")
     return EXIT_OK
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(p.strip() for p in text.split(",") if p.strip())
 
 
 def _progress_flag(flag: bool | None) -> bool:
@@ -46,16 +50,23 @@ def _progress_flag(flag: bool | None) -> bool:
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the 'tune' command."""
+    from gpumem.planning.card import CARD_KINDS
     s = sub.add_parser(
         "tune", help="which allocator settings fit a recorded workload on a card",
-        description="Replay a trace under a grid of gpumem configurations and PyTorch "
-                    "allocator settings (a model of PyTorch's caching allocator) and show, for "
-                    "each, the peak reserved memory, whether it fits the device and the "
-                    "smallest card it fits on.")
+        description="Replay a trace under a small grid of gpumem configurations and PyTorch "
+                    "allocator settings (a model of PyTorch's caching allocator) on what such "
+                    "a card leaves to each allocator, and recommend one: fits with margin, then "
+                    "least modeled driver time, then least peak reserved. Each row shows its "
+                    "peak reserved memory, whether it fits, its driver calls and the smallest "
+                    "card it fits on.")
     s.add_argument("trace", help="a gpumem trace (t_ns,op,id,size CSV, .gz), a PyTorch memory "
                                  "snapshot pickle (torch.cuda.memory._dump_snapshot), or 'demo'")
-    s.add_argument("--device", default="sim:24GiB",
-                   help="the card to plan for, as sim:<size> (default sim:24GiB)")
+    s.add_argument("--card", "--device", dest="device", default="24GiB", metavar="SIZE",
+                   help="the card to plan for: its size, e.g. 4GiB (sim:4GiB also works; "
+                        "default 24GiB)")
+    s.add_argument("--card-kind", choices=CARD_KINDS, default="cuda",
+                   help="whose usable-memory rule applies: cuda (default: gpumem keeps CUDA's "
+                        "reserve for the driver and context back) or sim (the whole card)")
     s.add_argument("--json", metavar="FILE", help="write every row as JSON ('-': stdout)")
     s.add_argument("--plot", metavar="PNG",
                    help="plot reserved memory over the trace for the best gpumem and best "
@@ -65,13 +76,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--presets", metavar="LIST",
                    help="comma-separated gpumem presets to try (default: "
                         "default,inference,constrained)")
+    s.add_argument("--segments", metavar="LIST",
+                   help="comma-separated segment policies to try with each preset (default: "
+                        "tight,fast,plain)")
     s.add_argument("--torch-conf", metavar="CONF", action="append",
                    help="a PYTORCH_CUDA_ALLOC_CONF value to try; repeat for several "
                         "(replaces the built-in torch settings; '' is torch's default)")
     s.add_argument("--jobs", type=int, default=None,
                    help="processes to use (default: one per CPU)")
     s.add_argument("--no-min-capacity", action="store_true",
-                   help="skip the search for the smallest card of each row (faster)")
+                   help="skip the search for the smallest card of rows that fit (faster)")
     pg = s.add_mutually_exclusive_group()
     pg.add_argument("--progress", dest="progress", action="store_true", default=None,
                     help="show a progress bar (tqdm; default: on a terminal)")

@@ -1,20 +1,25 @@
 """Which allocator settings fit a recorded workload on which card: ``gpumem.tune``.
 
 A trace (gpumem's ``t_ns,op,id,size`` CSV, or a PyTorch memory snapshot pickle) is replayed
-under a grid of candidates: gpumem configurations through the real pool on a simulated device
-(:func:`gpumem.replay`), and PyTorch allocator settings through
-:class:`~gpumem.planning.torch_model.TorchAllocatorModel`. Each candidate gives one row: its
-peak reserved bytes on the device, whether it fits there, its driver calls and their modeled
-time, and the smallest card it fits on.
+under a small grid of candidates: gpumem configurations through the real pool on a simulated
+device (:func:`gpumem.replay`), and PyTorch allocator settings through
+:class:`~gpumem.planning.torch_model.TorchAllocatorModel`.
 
-The smallest card is found by bisection over the device capacity, between the trace's peak live
-bytes (no allocator fits below) and a capacity known to fit, to within 1/256 of it. The upper
-end is the candidate's own peak reserved bytes on the device for the torch model (with that much
-memory no cudaMalloc fails, so the replay is the same one) and for gpumem that peak divided by
-``gpu_memory_fraction`` (gpumem keeps its pool under that share), checked by a replay and
-doubled until it fits. Fitting is taken as monotone in capacity; on a smaller card both
-allocators only release cached memory earlier, which is what lets them fit below their
-unconstrained peak.
+The card. A card of N bytes means what each allocator has on such a card by default
+(:class:`~gpumem.planning.card.Card`: CUDA's usable-memory reserve for gpumem, the driver and
+context for PyTorch), and each row is replayed on a simulated device of exactly that size. A
+gpumem row runs with the settings a user pastes (its preset's CPU fallback, ``min_free_bytes``
+and ``gpu_memory_fraction`` included), except that the CPU fallback is switched off in the
+replay so that a request the device refused is counted (an OOM here is a CPU fallback there).
+
+The objective, in this order: fits with margin (no OOM even on a device smaller by the
+headroom: one more of the trace's largest request, or ``headroom_fraction`` of its peak live
+bytes, whichever is larger), then least modeled driver time (the sim's driver cost model), then
+least peak reserved bytes.
+
+The smallest card of a row is found by bisection over the card's size (of the same kind),
+between the trace's peak live bytes (no allocator fits below) and a size known to fit, to
+within 1/128 of it; fitting is taken as monotone in the size.
 
 Work is spread over processes by one :class:`concurrent.futures.ProcessPoolExecutor` that
 :func:`tune` creates and shuts down itself (``jobs=1`` runs in this process); each worker
@@ -23,6 +28,7 @@ receives the trace once. Thread safety: :func:`tune` shares nothing between call
 from __future__ import annotations
 
 import logging
+import math
 import os
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from contextlib import contextmanager
@@ -31,57 +37,100 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from gpumem.config import HANDLE_PER_GROWTH, MemoryConfig
 from gpumem.errors import InvalidInputError, TraceFormatError
-from gpumem.units import MiB, format_bytes, parse_size
+from gpumem.planning.card import Card, card_size
+from gpumem.units import MiB, format_bytes
 
-__all__ = ["tune", "TuneResult", "Candidate", "gpumem_grid", "torch_grid", "device_capacity",
-           "load_workload"]
+__all__ = ["tune", "TuneResult", "Candidate", "gpumem_grid", "torch_grid", "card_size",
+           "device_capacity", "load_workload", "SEGMENT_POLICIES"]
 
-#: presets of the gpumem grid (gpumem.observe.replay.replay_config: no CPU fallback, no margin)
+#: presets of the gpumem grid, each as a user has it (CPU fallback, min_free_bytes included)
 PRESETS = ("default", "inference", "constrained")
-#: max_split_size values tried besides each preset's own
-GRID_MAX_SPLITS = (64 * MiB, 256 * MiB)
-#: expandable_handle_size tried besides one page (with expandable segments on): larger physical
-#: handles, fewer driver calls, less tight; "growth" is one handle per growth
-#: (docs/expandable_segments.md, "Handle size")
-GRID_HANDLE_SIZES: tuple[int | str, ...] = (20 * MiB, HANDLE_PER_GROWTH)
+#: the segment policies tried with each preset: name -> the MemoryConfig fields that select it.
+#: When MemoryConfig has ``segments`` (issue 31), each becomes ``{"segments": name}`` and
+#: ``"auto"`` joins them; nothing else here changes.
+SEGMENT_POLICIES: dict[str, dict[str, Any]] = {
+    "tight": {"expandable_segments": True, "expandable_handle_size": 0},
+    "fast": {"expandable_segments": True, "expandable_handle_size": HANDLE_PER_GROWTH},
+    "plain": {"expandable_segments": False},
+}
+#: max_split_size values tried with plain segments besides the preset's own (an expandable
+#: segment ignores it); none by default: on the shipped traces 64 and 256 MiB changed no
+#: figure of the default and inference presets, only rows that tie
+PLAIN_SPLIT_SIZES: tuple[int, ...] = ()
 #: PyTorch settings tried (PYTORCH_CUDA_ALLOC_CONF values; "" is torch's default)
-TORCH_CONFS = ("", "expandable_segments:True", "max_split_size_mb:128", "max_split_size_mb:512",
-               "roundup_power2_divisions:4", "roundup_power2_divisions:8",
-               "expandable_segments:True,max_split_size_mb:128",
-               "expandable_segments:True,roundup_power2_divisions:4")
+TORCH_CONFS = ("", "expandable_segments:True", "max_split_size_mb:128",
+               "roundup_power2_divisions:4")
+#: fraction of the trace's peak live bytes in the headroom (see the module docstring)
+HEADROOM_FRACTION = 0.05
 _PRESET_CALL = {"default": "default", "inference": "for_inference",
                 "constrained": "for_constrained"}
+#: smallest-card bisection stops within 1/2**_CARD_PRECISION_BITS of the size
+_CARD_PRECISION_BITS = 7
+
+
+def _preset_config(preset: str) -> MemoryConfig:
+    if preset not in _PRESET_CALL:
+        raise InvalidInputError(f"unknown gpumem preset {preset!r}; the presets are "
+                                f"{', '.join(PRESETS)}")
+    return getattr(MemoryConfig, _PRESET_CALL[preset])()
 
 
 @dataclass(frozen=True)
 class Candidate:
-    """One setting to replay: ``allocator`` "gpumem" (``preset`` + ``changes`` to MemoryConfig)
-    or "torch" (``conf``, a PYTORCH_CUDA_ALLOC_CONF value)."""
+    """One setting to replay: ``allocator`` "gpumem" (``preset`` + ``changes``, MemoryConfig
+    fields over the preset) or "torch" (``conf``, a PYTORCH_CUDA_ALLOC_CONF value)."""
 
     allocator: str
     preset: str = "default"
     changes: tuple[tuple[str, Any], ...] = ()
     conf: str = ""
 
+    def _user_changes(self) -> list[tuple[str, Any]]:
+        """The changes that differ from the preset: what the user has to write."""
+        base = _preset_config(self.preset)
+        return [(k, v) for k, v in self.changes if getattr(base, k) != v]
+
     @property
     def config(self) -> str:
-        """What a user pastes: a MemoryConfig expression, or a PYTORCH_CUDA_ALLOC_CONF value."""
+        """What a user pastes: a MemoryConfig expression (user settings only), or a
+        PYTORCH_CUDA_ALLOC_CONF value."""
         if self.allocator == "torch":
             return self.conf
-        kw = [("cpu_fallback_enabled", False), ("min_free_bytes", 0), *self.changes]
-        args = ", ".join(f"{k}={_literal(v)}" for k, v in kw)
-        return f"MemoryConfig.{_PRESET_CALL[self.preset]}().replace({args})"
+        kw = self._user_changes()
+        call = f"MemoryConfig.{_PRESET_CALL[self.preset]}()"
+        if not kw:
+            return call
+        return f"{call}.replace({', '.join(f'{k}={_literal(v)}' for k, v in kw)})"
 
     @property
     def label(self) -> str:
-        """A short name for tables."""
+        """A full, short name for tables: ``"default, plain, max_split_size=256MiB"``."""
         if self.allocator == "torch":
             return self.conf or "(torch default)"
-        return " ".join([self.preset] + [f"{k}={_short(v)}" for k, v in self.changes])
+        cfg = self.memory_config()
+        policy = _policy_name(cfg)
+        seg_fields = {"expandable_segments", "expandable_handle_size", "segments"}
+        extra = [f"{k}={_short(v)}" for k, v in self._user_changes() if k not in seg_fields]
+        return ", ".join([self.preset, policy] + extra)
+
+    def user_config(self) -> MemoryConfig:
+        """The configuration the pasted line builds."""
+        return _preset_config(self.preset).replace(**dict(self.changes))
 
     def memory_config(self) -> MemoryConfig:
-        from gpumem.observe.replay import replay_config
-        return replay_config(self.preset).replace(**dict(self.changes))
+        """What the replay runs: :meth:`user_config` with the CPU fallback off (a request the
+        device refuses is counted, not served from host memory) and tracking off."""
+        return self.user_config().replace(cpu_fallback_enabled=False, track_allocations=False,
+                                          track_stacks=False)
+
+
+def _policy_name(cfg: MemoryConfig) -> str:
+    for name, fields in SEGMENT_POLICIES.items():
+        if all(getattr(cfg, k) == v for k, v in fields.items()):
+            return name
+    if not cfg.expandable_segments:
+        return "plain"
+    return f"handles {_short(cfg.expandable_handle_size)}"
 
 
 def _literal(v: Any) -> str:
@@ -97,33 +146,27 @@ def _short(v: Any) -> str:
 
 
 def gpumem_grid(presets: Iterable[str] = PRESETS,
-                max_split_sizes: Iterable[int | None] = GRID_MAX_SPLITS) -> list[Candidate]:
-    """Each preset with expandable segments off/on, its own max_split_size and each of
-    ``max_split_sizes``, release_before_grow on/off; and each preset with expandable segments
-    on and each of GRID_HANDLE_SIZES."""
+                policies: Iterable[str] | None = None,
+                plain_split_sizes: Iterable[int] = PLAIN_SPLIT_SIZES) -> list[Candidate]:
+    """Each preset with each segment policy (:data:`SEGMENT_POLICIES`), and with plain
+    segments and each of ``plain_split_sizes`` as its ``max_split_size`` (when not already
+    the preset's own)."""
+    names = list(SEGMENT_POLICIES if policies is None else policies)
+    for name in names:
+        if name not in SEGMENT_POLICIES:
+            raise InvalidInputError(f"unknown segment policy {name!r}; the policies are "
+                                    f"{', '.join(SEGMENT_POLICIES)}")
     out = []
     for preset in presets:
-        if preset not in _PRESET_CALL:
-            raise InvalidInputError(f"unknown gpumem preset {preset!r}; the presets are "
-                                    f"{', '.join(PRESETS)}")
-        base = Candidate("gpumem", preset).memory_config()
-        own, default_exp = base.max_split_size, base.expandable_segments
-        splits: list[Any] = [None] + [m for m in max_split_sizes if m != own]
-        for exp in (False, True):
-            for mss in splits:
-                for rbg in (True, False):
-                    ch: list[tuple[str, Any]] = []
-                    if exp != default_exp:      # name only the change from the default
-                        ch.append(("expandable_segments", exp))
-                    if mss is not None:
-                        ch.append(("max_split_size", mss))
-                    if not rbg:
-                        ch.append(("release_before_grow", False))
-                    out.append(Candidate("gpumem", preset, tuple(ch)))
-        for size in GRID_HANDLE_SIZES:
-            ch = [] if default_exp else [("expandable_segments", True)]
-            out.append(Candidate("gpumem", preset,
-                                 tuple(ch + [("expandable_handle_size", size)])))
+        base = _preset_config(preset)
+        for name in names:
+            out.append(Candidate("gpumem", preset, tuple(SEGMENT_POLICIES[name].items())))
+        if "plain" in names:
+            for mss in plain_split_sizes:
+                if mss != base.max_split_size:
+                    out.append(Candidate("gpumem", preset,
+                                         tuple(SEGMENT_POLICIES["plain"].items())
+                                         + (("max_split_size", mss),)))
     return out
 
 
@@ -138,25 +181,8 @@ def torch_grid(confs: Iterable[str] = TORCH_CONFS) -> list[Candidate]:
 
 
 def device_capacity(device: str | int) -> int:
-    """Bytes of the card to plan for: ``"sim:24GiB"`` (or a size, or an int)."""
-    if isinstance(device, int) and not isinstance(device, bool):
-        if device <= 0:
-            raise InvalidInputError(f"device capacity must be > 0 bytes, got {device}")
-        return device
-    if not isinstance(device, str):
-        raise InvalidInputError(f"device must be a string such as 'sim:24GiB', got "
-                                f"{type(device).__name__} {device!r}")
-    from gpumem.backends import private_device_size
-    spec = device.strip()
-    if ":" in spec:                       # "sim:24GiB"; any other device string names no size
-        spec = private_device_size(spec) or ""
-    if not spec or spec.isdigit() or ":" in spec:
-        raise InvalidInputError(f"device {device!r} has no size: tune plans for a card of a "
-                                f"given capacity, e.g. --device sim:24GiB")
-    cap = parse_size(spec, what=f"device {device!r} capacity")
-    if cap <= 0:
-        raise InvalidInputError(f"device {device!r}: the capacity must be > 0 bytes")
-    return cap
+    """Bytes of the card to plan for (kept for callers of the old name; see card_size)."""
+    return card_size(device)
 
 
 def load_workload(source: Any) -> Any:
@@ -174,6 +200,16 @@ def load_workload(source: Any) -> Any:
         from gpumem.observe.torch_snapshot import read_torch_snapshot
         return read_torch_snapshot(path)
     return read_trace(path)
+
+
+def headroom_bytes(data: Any, fraction: float = HEADROOM_FRACTION) -> int:
+    """The margin a row must keep: one more of the trace's largest request at its peak, or
+    ``fraction`` of its peak live bytes (what a next run with other inputs may add), whichever
+    is larger."""
+    from gpumem.observe.trace import OP_ALLOC
+    sizes = data.sizes[data.ops == OP_ALLOC]
+    largest = int(sizes.max()) if len(sizes) else 0
+    return max(largest, int(fraction * data.peak_live_bytes))
 
 
 # --- evaluating one candidate (runs in a worker) ---------------------------------------------
@@ -199,67 +235,118 @@ def _quiet() -> Iterator[None]:
         logger.setLevel(level)
 
 
-def _run(cand: Candidate, capacity: int, series: bool = False) -> Any:
+def _run(cand: Candidate, capacity: int, series: bool = False,
+         config: MemoryConfig | None = None) -> Any:
     if cand.allocator == "torch":
         from gpumem.planning.torch_replay import replay_torch_model
         return replay_torch_model(_TRACE, capacity=capacity, conf=cand.conf,
                                   record_series=series)
     from gpumem.observe.replay import replay
-    return replay(_TRACE, f"sim:{capacity}B", cand.memory_config(), record_series=series)
+    from gpumem.planning.card import sim_device
+    return replay(_TRACE, sim_device(capacity), config or cand.memory_config(),
+                  record_series=series)
 
 
-def _fits(res: Any, capacity: int) -> bool:
-    return res.num_ooms == 0 and res.peak_reserved_bytes <= capacity
+def _fits(res: Any) -> bool:
+    return res.num_ooms == 0 and getattr(res, "cpu_fallbacks", 0) == 0
 
 
-def _min_capacity(cand: Candidate, res: Any, capacity: int, floor: int) -> int | None:
-    """Smallest capacity (bytes, to 1/256) on which ``cand`` replays without OOM."""
-    if cand.allocator == "torch":
-        hi = res.peak_reserved_bytes if _fits(res, capacity) else capacity
-    else:
-        frac = cand.memory_config().gpu_memory_fraction
-        hi = -(-int(res.peak_reserved_bytes / frac) // MiB) * MiB
-    hi = max(hi, floor)
-    for _ in range(8):                          # grow until something fits (up to 256x)
-        if _fits(_run(cand, hi), hi):
-            break
-        hi *= 2
-    else:
-        return None
-    lo = floor
-    while hi - lo > max(hi >> 8, 2 * MiB):
+def _smallest_card(cand: Candidate, card: Card, fits_here: bool, floor: int) -> int | None:
+    """Smallest card size (bytes, of ``card``'s kind, to 1/128) on which ``cand`` replays
+    without OOM; None when even 256 times the card does not do."""
+    def fits_on(total: int) -> bool:
+        cap = card.resized(total).capacity_for(cand.allocator)
+        return cap > 0 and _fits(_run(cand, cap))
+    hi = card.total
+    if not fits_here:
+        for _ in range(8):                      # grow until it fits (up to 256x)
+            hi *= 2
+            if fits_on(hi):
+                break
+        else:
+            return None
+    lo = min(floor, hi)                         # below the peak live bytes nothing fits
+    while hi - lo > max(hi >> _CARD_PRECISION_BITS, 2 * MiB):
         mid = (lo + hi) // 2
-        if _fits(_run(cand, mid), mid):
+        if fits_on(mid):
             hi = mid
         else:
             lo = mid
-    return hi
+    return -(-hi // MiB) * MiB
 
 
-def _evaluate(cand: Candidate, capacity: int, floor: int, find_min: bool) -> dict[str, Any]:
+def _limit(cand: Candidate, capacity: int, peak_live: int) -> str:
+    """What bounds a row on this card: the tightest of its settings' limits (the memory
+    fraction, the free-memory margin, a fixed reserve) or the card itself. (A cache cap,
+    ``max_pool_size``, only ever returns memory: it costs driver calls, never a fit.)"""
+    fb = format_bytes
+    if cand.allocator == "torch":
+        text, bound = f"the card: {fb(capacity)} for PyTorch", capacity
+    else:
+        cfg = cand.memory_config()
+        terms = [(capacity, "the card")]
+        if cfg.gpu_memory_fraction < 1.0:
+            terms.append((int(capacity * cfg.gpu_memory_fraction),
+                          f"gpu_memory_fraction={cfg.gpu_memory_fraction:g}"))
+        if cfg.min_free_bytes:
+            terms.append((capacity - cfg.min_free_bytes,
+                          f"min_free_bytes={_short(cfg.min_free_bytes)}"))
+        if cfg.reserve_bytes:
+            terms.append((capacity - cfg.reserve_bytes,
+                          f"reserve_bytes={_short(cfg.reserve_bytes)}"))
+        bound, name = min(terms, key=lambda t: t[0])
+        text = f"{name}: pool <= {fb(max(bound, 0))}"
+    if peak_live > bound:
+        text += f", below the trace's {fb(peak_live)} live at its peak"
+    return text
+
+
+def _evaluate(cand: Candidate, card: Card, floor: int, headroom: int,
+              find_min: bool) -> dict[str, Any]:
+    capacity = card.capacity_for(cand.allocator)
     with _quiet():
         res = _run(cand, capacity)
-        smallest = _min_capacity(cand, res, capacity, floor) if find_min else None
+        fits = _fits(res)
+        margin = fits and capacity > headroom and _fits(_run(cand, capacity - headroom))
+        smallest = _smallest_card(cand, card, fits, floor) if find_min or not fits else None
+        limit = None if fits else _limit(cand, capacity, floor)
     return {
         "allocator": cand.allocator, "config": cand.config, "label": cand.label,
+        "capacity": capacity,
         "peak_reserved_bytes": res.peak_reserved_bytes, "peak_live_bytes": res.peak_live_bytes,
-        "fits": _fits(res, capacity), "num_ooms": res.num_ooms,
+        "fits": fits, "fits_with_margin": margin, "num_ooms": res.num_ooms,
         "driver_calls": res.driver_calls,
         "modeled_driver_seconds": getattr(res, "modeled_driver_seconds", None),
-        "min_capacity_bytes": smallest,
+        "min_capacity_bytes": smallest, "limit": limit,
     }
+
+
+def objective(row: dict[str, Any]) -> tuple:
+    """Sort key, best first: fits with margin, fits, least modeled driver time, least peak
+    reserved (rows that do not fit: by the smallest card they need)."""
+    ms = row["modeled_driver_seconds"]
+    if not row["fits"]:
+        card = row["min_capacity_bytes"]
+        return (2, math.inf if card is None else card, row["peak_reserved_bytes"],
+                len(row["config"]))
+    return (0 if row["fits_with_margin"] else 1, math.inf if ms is None else ms,
+            row["peak_reserved_bytes"], row["driver_calls"], len(row["config"]))
 
 
 # --- the result -------------------------------------------------------------------------------
 @dataclass
 class TuneResult:
-    """One row per candidate (dicts with ``allocator``, ``config``, ``label``,
-    ``peak_reserved_bytes``, ``peak_live_bytes``, ``fits``, ``num_ooms``, ``driver_calls``,
-    ``modeled_driver_seconds``, ``min_capacity_bytes``), best first; ``recommended`` is the
-    fitting row with the least peak reserved bytes (None when nothing fits)."""
+    """One row per candidate (dicts with ``id``, ``allocator``, ``config`` (the line to
+    paste), ``label``, ``capacity`` (the bytes replayed on), ``peak_reserved_bytes``,
+    ``peak_live_bytes``, ``fits``, ``fits_with_margin``, ``num_ooms``, ``driver_calls``,
+    ``modeled_driver_seconds``, ``min_capacity_bytes`` (the smallest card, of the same kind),
+    ``limit`` (what bounds a row that does not fit)), best first by :func:`objective`.
+    ``recommended`` is the best row of the primary allocator (gpumem when it was tried) when
+    it fits, else None."""
 
     trace: str
-    capacity: int
+    card: Card
+    headroom: int
     rows: list[dict[str, Any]]
     recommended: dict[str, Any] | None
     duration_s: float
@@ -267,67 +354,67 @@ class TuneResult:
     #: label -> ``{"live", "reserved"}`` arrays of the best gpumem and best torch rows
     series: dict[str, dict] = field(default_factory=dict, repr=False)
 
+    @property
+    def capacity(self) -> int:
+        """The card's size in bytes."""
+        return self.card.total
+
     def best(self, allocator: str) -> dict[str, Any] | None:
-        """The first (best) row of ``allocator``: fitting rows come first."""
+        """The first (best) row of ``allocator``."""
         return next((r for r in self.rows if r["allocator"] == allocator), None)
 
+    def smallest_card(self, allocator: str | None = None) -> dict[str, Any] | None:
+        """The row (of ``allocator``, or of either) that needs the smallest card; None when
+        no row has one."""
+        rows = [r for r in self.rows if r["min_capacity_bytes"] is not None
+                and allocator in (None, r["allocator"])]
+        return min(rows, key=lambda r: (r["min_capacity_bytes"], objective(r)), default=None)
+
     def as_dict(self) -> dict[str, Any]:
-        return {"trace": self.trace, "capacity": self.capacity, "rows": self.rows,
-                "recommended": self.recommended, "duration_s": self.duration_s,
-                "jobs": self.jobs, "min_capacity_method": MIN_CAPACITY_METHOD}
+        from gpumem.planning.tune_report import OBJECTIVE, margin_text
+        return {"trace": self.trace, "capacity": self.card.total, "card_kind": self.card.kind,
+                "gpumem_capacity": self.card.gpumem_bytes,
+                "torch_capacity": self.card.torch_bytes, "assumed": self.card.explain(),
+                "headroom_bytes": self.headroom, "margin": margin_text(self.headroom),
+                "objective": OBJECTIVE, "rows": self.rows, "recommended": self.recommended,
+                "duration_s": self.duration_s, "jobs": self.jobs,
+                "min_capacity_method": MIN_CAPACITY_METHOD}
 
     def table(self) -> str:
-        fb = format_bytes
-        head = (f"{'allocator':<9} {'config':<58} {'peak reserved':>13} {'fits':>4} "
-                f"{'OOMs':>5} {'driver calls':>12} {'driver ms':>9} {'smallest card':>13}")
-        lines = [f"tune {self.trace} on {fb(self.capacity)}: {len(self.rows)} candidates in "
-                 f"{self.duration_s:.1f} s ({self.jobs} process(es))", head, "-" * len(head)]
-        for r in self.rows:
-            ms = r["modeled_driver_seconds"]
-            card = r["min_capacity_bytes"]
-            label = r["label"] if len(r["label"]) <= 58 else r["label"][:55] + "..."
-            lines.append(
-                f"{r['allocator']:<9} {label:<58} {fb(r['peak_reserved_bytes']):>13} "
-                f"{'yes' if r['fits'] else 'NO':>4} {r['num_ooms']:>5,} {r['driver_calls']:>12,} "
-                f"{'-' if ms is None else f'{ms * 1e3:.1f}':>9} "
-                f"{'-' if card is None else fb(card):>13}")
-        rec = self.recommended
-        lines.append("")
-        if rec is None:
-            lines.append(f"nothing fits on {fb(self.capacity)}; see 'smallest card' for what "
-                         f"each candidate needs")
-        else:
-            lines.append(f"recommended ({rec['allocator']}, least peak reserved that fits): "
-                         f"{rec['config'] or '(PyTorch default: no PYTORCH_CUDA_ALLOC_CONF)'}")
-        lines.append(f"smallest card: {MIN_CAPACITY_METHOD}")
-        return "\n".join(lines)
+        from gpumem.planning.tune_report import render
+        return render(self)
 
 
-MIN_CAPACITY_METHOD = ("bisection over the capacity between peak live bytes and a capacity "
-                       "that fits, to within 1/256 (docs/torch_model.md)")
+MIN_CAPACITY_METHOD = ("bisection over the card's size between peak live bytes and a size "
+                       "that fits, to within 1/128 (docs/torch_model.md)")
 
 
-def _sort_key(r: dict[str, Any]) -> tuple:
-    return (not r["fits"], r["peak_reserved_bytes"], r["driver_calls"])
-
-
-def tune(trace: Any, device: str | int = "sim:24GiB", *,
+def tune(trace: Any, device: str | int = "24GiB", *, card_kind: str = "cuda",
          gpumem_configs: Sequence[Candidate] | None = None,
          torch_confs: Sequence[str] | None = None, jobs: int | None = None,
          find_min_capacity: bool = True, record_series: bool = False,
+         headroom_fraction: float = HEADROOM_FRACTION,
          progress: bool | Callable[[int, int], Any] = False) -> TuneResult:
     """Replay ``trace`` (a path to a gpumem trace or a PyTorch snapshot pickle, or a
-    TraceData) under every candidate on ``device`` (``"sim:24GiB"``, a size, or bytes).
+    TraceData) under every candidate on a card of ``device`` bytes (``"24GiB"``,
+    ``"sim:24GiB"`` or an int) of kind ``card_kind`` (``"cuda"``: gpumem has what CUDA's
+    usable-memory reserve leaves; ``"sim"``: the whole card).
 
     ``gpumem_configs`` defaults to :func:`gpumem_grid`, ``torch_confs`` to
     :data:`TORCH_CONFS`; pass ``[]`` to leave one allocator out (both empty is an error).
     ``jobs`` processes (default: the CPU count, at most one per candidate; 1: this process).
-    ``record_series`` also replays the best gpumem and best torch rows again to keep their
-    live and reserved bytes over time (``result.series``, for :func:`plot_tune`).
-    ``progress``: True for a tqdm bar (when tqdm is installed), or ``f(done, total)``.
+    ``find_min_capacity``: the smallest card of every row (rows that do not fit get it
+    always). ``headroom_fraction``: see :func:`headroom_bytes`. ``record_series`` also
+    replays the best gpumem and best torch rows again to keep their live and reserved bytes
+    over time (``result.series``, for :func:`gpumem.observe.plot.plot_reserved_comparison`). ``progress``: True for a tqdm bar
+    (when tqdm is installed), or ``f(done, total)``.
     """
     import time
-    capacity = device_capacity(device)
+    card = Card(card_size(device), card_kind)
+    if isinstance(headroom_fraction, bool) or not isinstance(headroom_fraction, (int, float)) \
+            or not 0.0 <= headroom_fraction < 1.0:
+        raise InvalidInputError(f"headroom_fraction must be a number in [0, 1), got "
+                                f"{headroom_fraction!r}")
     data = load_workload(trace)
     if len(data) == 0:
         raise TraceFormatError(f"{data.name}: the trace has no events to replay")
@@ -343,36 +430,44 @@ def tune(trace: Any, device: str | int = "sim:24GiB", *,
     if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
         raise InvalidInputError(f"jobs must be an int >= 1, got {jobs!r}")
     jobs = min(jobs, len(cands))
-    floor = data.peak_live_bytes
+    floor, headroom = data.peak_live_bytes, headroom_bytes(data, headroom_fraction)
     tick = _progress(progress, len(cands))
     t0 = time.perf_counter()
-    rows: list[dict[str, Any]] = []
+    by_index: dict[int, dict[str, Any]] = {}
+    args = (card, floor, headroom, find_min_capacity)
     if jobs == 1:
         _init_worker(data)
-        for c in cands:
-            rows.append(_evaluate(c, capacity, floor, find_min_capacity))
-            tick(len(rows))
+        for i, c in enumerate(cands):
+            by_index[i] = _evaluate(c, *args)
+            tick(len(by_index))
     else:
         with ProcessPoolExecutor(jobs, initializer=_init_worker, initargs=(data,)) as pool:
-            futures = [pool.submit(_evaluate, c, capacity, floor, find_min_capacity)
-                       for c in cands]
+            futures = {pool.submit(_evaluate, c, *args): i for i, c in enumerate(cands)}
             for fut in as_completed(futures):
-                rows.append(fut.result())
-                tick(len(rows))
+                by_index[futures[fut]] = fut.result()
+                tick(len(by_index))
     tick(None)
-    rows.sort(key=_sort_key)
-    rec = next((r for r in rows if r["fits"]), None)
-    result = TuneResult(trace=data.name, capacity=capacity, rows=rows, recommended=rec,
+    counters = {"gpumem": 0, "torch": 0}
+    rows = []
+    for i in range(len(cands)):                 # ids follow the grid's order: stable
+        r = by_index[i]
+        counters[r["allocator"]] += 1
+        rows.append({"id": f"{r['allocator'][0]}{counters[r['allocator']]}", **r})
+    rows.sort(key=objective)
+    primary = "gpumem" if counters["gpumem"] else "torch"
+    best = next(r for r in rows if r["allocator"] == primary)
+    result = TuneResult(trace=data.name, card=card, headroom=headroom, rows=rows,
+                        recommended=best if best["fits"] else None,
                         duration_s=time.perf_counter() - t0, jobs=jobs)
     if record_series:
         _init_worker(data)
         by_config = {(c.allocator, c.config): c for c in cands}
         for alloc in ("gpumem", "torch"):
-            best = result.best(alloc)
-            if best is not None:
+            row = result.best(alloc)
+            if row is not None:
                 with _quiet():
-                    res = _run(by_config[(alloc, best["config"])], capacity, series=True)
-                result.series[f"{alloc}: {best['label']}"] = res.series
+                    res = _run(by_config[(alloc, row["config"])], row["capacity"], series=True)
+                result.series[f"{alloc}: {row['label']}"] = res.series
     return result
 
 
