@@ -35,7 +35,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
-from gpumem.config import HANDLE_PER_GROWTH, MemoryConfig
+from gpumem.config import SEGMENT_POLICIES as CONFIG_SEGMENT_POLICIES, MemoryConfig
 from gpumem.errors import InvalidInputError, TraceFormatError
 from gpumem.planning.card import Card, card_size
 from gpumem.units import MiB, format_bytes
@@ -45,14 +45,10 @@ __all__ = ["tune", "TuneResult", "Candidate", "gpumem_grid", "torch_grid", "card
 
 #: presets of the gpumem grid, each as a user has it (CPU fallback, min_free_bytes included)
 PRESETS = ("default", "inference", "constrained")
-#: the segment policies tried with each preset: name -> the MemoryConfig fields that select it.
-#: When MemoryConfig has ``segments`` (issue 31), each becomes ``{"segments": name}`` and
-#: ``"auto"`` joins them; nothing else here changes.
+#: the segment policies tried with each preset: name -> the MemoryConfig fields that select it
+#: (auto, the default, needs none: the line to paste then names no segment setting)
 SEGMENT_POLICIES: dict[str, dict[str, Any]] = {
-    "tight": {"expandable_segments": True, "expandable_handle_size": 0},
-    "fast": {"expandable_segments": True, "expandable_handle_size": HANDLE_PER_GROWTH},
-    "plain": {"expandable_segments": False},
-}
+    name: ({} if name == "auto" else {"segments": name}) for name in CONFIG_SEGMENT_POLICIES}
 #: max_split_size values tried with plain segments besides the preset's own (an expandable
 #: segment ignores it); none by default: on the shipped traces 64 and 256 MiB changed no
 #: figure of the default and inference presets, only rows that tie
@@ -125,12 +121,10 @@ class Candidate:
 
 
 def _policy_name(cfg: MemoryConfig) -> str:
-    for name, fields in SEGMENT_POLICIES.items():
-        if all(getattr(cfg, k) == v for k, v in fields.items()):
-            return name
-    if not cfg.expandable_segments:
-        return "plain"
-    return f"handles {_short(cfg.expandable_handle_size)}"
+    name = cfg.segment_policy
+    if name == "tight" and cfg.tight_handle_size:
+        return f"handles {_short(cfg.tight_handle_size)}"
+    return name
 
 
 def _literal(v: Any) -> str:

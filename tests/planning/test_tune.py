@@ -85,15 +85,16 @@ def test_replay_keeps_streams_apart():
 
 @pytest.mark.parametrize("path", TRACES, ids=lambda p: p.name.split(".")[0])
 def test_gpumem_reserves_no_more_than_torch_on_shipped_traces(path):
-    """The claim in the README table: on every shipped trace gpumem's peak reserved bytes
-    (today's default config, and with expandable segments) are at most the PyTorch model's,
-    with torch's default and with expandable_segments:True respectively."""
+    """The claims in the README table: on every shipped trace gpumem's peak reserved bytes
+    are at most the PyTorch model's: plain segments and the auto policy (the default) against
+    torch's default, the tight policy against torch with expandable_segments:True. (Auto
+    against torch's expandable segments is not always at or under it: README, "Segments".)"""
     data = read_trace(path)
-    for exp, conf in ((False, ""), (True, "expandable_segments:True")):
-        g = replay(data, "sim:80GiB", replay_config("default").replace(expandable_segments=exp))
+    for seg, conf in (("plain", ""), ("auto", ""), ("tight", "expandable_segments:True")):
+        g = replay(data, "sim:80GiB", replay_config("default").replace(segments=seg))
         t = replay_torch_model(data, capacity=80 * GiB, conf=conf)
         assert t.num_ooms == g.num_ooms == 0
-        assert g.peak_reserved_bytes <= t.peak_reserved_bytes, (exp, g.peak_reserved_bytes,
+        assert g.peak_reserved_bytes <= t.peak_reserved_bytes, (seg, g.peak_reserved_bytes,
                                                                 t.peak_reserved_bytes)
 
 
