@@ -126,7 +126,7 @@ def test_line_to_paste_holds_only_user_settings():
     measure the pool, and differs from what the replay runs only in the CPU fallback (off,
     so refused requests are counted) and tracking."""
     grid = gpumem_grid()
-    assert len(grid) == 9                       # 3 presets x tight, fast, plain
+    assert len(grid) == 12                      # 3 presets x auto, tight, fast, plain
     for cand in grid:
         assert not any(name in cand.config for name in REPLAY_ONLY), cand.config
         user = eval(cand.config, {"MemoryConfig": MemoryConfig})
@@ -141,7 +141,7 @@ def test_grid_labels_are_whole_and_distinct():
     and the table prints every label whole: no two rows read alike."""
     grid = gpumem_grid(plain_split_sizes=(256 * MiB,))
     labels = [c.label for c in grid]
-    assert len(set(labels)) == len(labels) == 12
+    assert len(set(labels)) == len(labels) == 15
     assert "default, plain, max_split_size=256MiB" in labels
     assert {c.label.split(", ")[1] for c in grid} == set(SEGMENT_POLICIES)
     res = tune(DEMO_TRACE, "4GiB", gpumem_configs=grid, torch_confs=[], jobs=1,
