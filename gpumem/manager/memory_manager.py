@@ -43,6 +43,7 @@ from gpumem.backends import HOST_DEVICE, Device, default_device, open_device
 from gpumem.config import MAX_BYTES, MemoryConfig
 from gpumem.errors import ClosedManagerError, InvalidInputError
 from gpumem.manager.growth import SegmentGrowth
+from gpumem.manager.live_config import check_live_change, usable_bytes
 from gpumem.manager.measure import PeakWindows
 from gpumem.manager.miss_path import MissPath
 from gpumem.manager.pressure import MemoryPressure, PressureCallback, PressureWatch
@@ -157,12 +158,9 @@ class MemoryManager(ManagerCore):
                              else config.large_split_min),
             oversize_slack=config.oversize_slack)
         self._core_init(pool, dev, dev.device_string)
-        self.config = config
+        self._config = config       # the one the parts hold too (reconfigure pushes a new one)
         self.total_memory = total
-        reserve = config.reserve_bytes
-        if reserve is None:
-            reserve = dev.recommended_reserve(total)
-        usable = max(0, min(int(total * config.gpu_memory_fraction), total - reserve))
+        usable = usable_bytes(config, total, dev.recommended_reserve(total))
         self._set_limits(usable, config.max_pool_size)
         self._slow = threading.RLock()
         self._recorders: list[HistoryRecorder] = []    # running; guarded by _slow
@@ -182,6 +180,62 @@ class MemoryManager(ManagerCore):
                               _host_maker(self), self._recorders)
         self._set_slow_path(self._miss)
         self.tracker = None
+        self._set_tracking(config)
+        dev.add_stream_listener(self._streams.on_stream_destroyed)
+        peers.register(self)
+
+    # --- configuration ----------------------------------------------------------------------
+    @property
+    def config(self) -> MemoryConfig:
+        """The config this manager runs with. Assigning a MemoryConfig reconfigures the
+        manager as :meth:`reconfigure` does (same checks, same effect)."""
+        return self._config
+
+    @config.setter
+    def config(self, new: MemoryConfig) -> None:
+        self._apply_config(new)
+
+    def reconfigure(self, **changes: Any) -> MemoryConfig:
+        """Change MemoryConfig fields of this live manager, e.g.
+        ``mm.reconfigure(cpu_fallback_enabled=False, gpu_memory_fraction=0.5)``; returns the
+        new config. Every part acts on it at once (limits, cache cap, tracker, pressure) or on
+        its next call (fallback, growth). Fields the pool or its segments were built with
+        (segment sizes, expandable segments: gpumem.manager.live_config.FIXED_FIELDS) are
+        refused with InvalidInputError, as are unknown fields and invalid values; a refused
+        change changes nothing."""
+        self._apply_config(self._config.replace(**changes))
+        return self._config
+
+    def _apply_config(self, new: MemoryConfig) -> None:
+        with self._slow:
+            self._check_open()
+            check_live_change(self._config, new)
+            usable = usable_bytes(new, self.total_memory,
+                                  self.device.recommended_reserve(self.total_memory))
+            old, self._config = self._config, new
+            # every part that acts on the config holds it as `config`: one push reaches them
+            for part in (self._growth, self._miss, self._pressure):
+                part.config = new
+            self._growth.max_pool_size = new.max_pool_size
+            self.usable_memory = usable
+            self._set_limits(usable, new.max_pool_size)
+            if (old.track_allocations, old.track_stacks) != (new.track_allocations,
+                                                             new.track_stacks):
+                self._set_tracking(new)
+            self._growth.trim_cache()
+            over = self.pool.reserved_bytes - usable
+            if over > 0:                      # a narrower limit: give back what the cache can
+                self._growth.release_cached(over, reason="reconfigure")
+            self._growth.reserved_changed()   # the level under the new limit and thresholds
+
+    def _set_tracking(self, config: MemoryConfig) -> None:
+        """Make the tracker `config` asks for (dropping the one running, if any)."""
+        old = self.tracker
+        if old is not None:
+            self.tracker = None
+            if old in self._observers:
+                self.remove_observer(old)
+            self._keep_buffer_state()
         if config.track_allocations:
             from gpumem.observe.tracking import AllocationTracker
             self.tracker = AllocationTracker(self, capture_stacks=config.track_stacks)
@@ -189,8 +243,6 @@ class MemoryManager(ManagerCore):
                 self._keep_buffer_state()       # tags only: the pool knows the rest
             else:
                 self.add_observer(self.tracker)   # stacks: captured per buffer
-        dev.add_stream_listener(self._streams.on_stream_destroyed)
-        peers.register(self)
 
     # --- properties -----------------------------------------------------------------------
     @property
@@ -333,9 +385,7 @@ class MemoryManager(ManagerCore):
         nothing."""
         if nbytes is not None:
             nbytes = _byte_count(nbytes, "max_pool_size")
-        self._growth.max_pool_size = nbytes
-        self._set_limits(self.usable_memory, nbytes)
-        self._growth.trim_cache()
+        self.reconfigure(max_pool_size=nbytes)      # config, cap and limits: one source
 
     @property
     def _max_pool_size(self) -> int | None:

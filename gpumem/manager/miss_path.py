@@ -57,7 +57,7 @@ class MissPath:
         self._core = core
         self.growth = growth
         self.streams = streams
-        self._config = config
+        self.config = config
         self._total = total_memory
         self._make_host = make_host
         self._recorders = recorders
@@ -77,7 +77,7 @@ class MissPath:
         buf = self.malloc_device(nbytes, stream, tag)
         if buf is not None:
             return buf
-        if fallback and self._config.cpu_fallback_enabled and nbytes <= self._total:
+        if fallback and self.config.cpu_fallback_enabled and nbytes <= self._total:
             return self._fallback(nbytes, stream, tag)
         raise self.oom_error(nbytes, fallback_refused=not fallback)
 
@@ -154,7 +154,7 @@ class MissPath:
     def oom_error(self, nbytes: int, fallback_refused: bool = False) -> OutOfMemoryError:
         """The OutOfMemoryError for a request nothing could serve, saying why (and counted)."""
         self.num_ooms += 1
-        growth, cfg = self.growth, self._config
+        growth, cfg = self.growth, self.config
         device, pool, usable = growth.device, growth.pool, growth.usable_memory
         try:
             free, total = device.mem_get_info()

@@ -55,7 +55,7 @@ class PressureWatch:
     def __init__(self, pool: CachingPool, config: MemoryConfig, usable_memory: int,
                  device_string: str) -> None:
         self._pool = pool
-        self._config = config
+        self.config = config
         self.usable_memory = usable_memory
         self._device_string = device_string
         self.level = MemoryPressure.LOW            # as of the latest update()
@@ -69,7 +69,7 @@ class PressureWatch:
 
     def current(self) -> MemoryPressure:
         """The level of :meth:`ratio` now."""
-        return pressure_level(self.ratio(), self._config.pressure_thresholds)
+        return pressure_level(self.ratio(), self.config.pressure_thresholds)
 
     def update(self, growth: SegmentGrowth) -> None:
         """After the held bytes changed: tell the observers of a new level; on a rise, respond
@@ -91,7 +91,7 @@ class PressureWatch:
             self._respond(level, growth)
 
     def _respond(self, level: MemoryPressure, growth: SegmentGrowth) -> None:
-        cfg = self._config
+        cfg = self.config
         if level >= MemoryPressure.CRITICAL and cfg.auto_cleanup_at_critical:
             growth.release_cached(reason="emergency cleanup")
         elif level >= MemoryPressure.HIGH and cfg.auto_release_at_high:
