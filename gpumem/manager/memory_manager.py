@@ -406,9 +406,14 @@ class MemoryManager(ManagerCore):
         # measure() blocks reset the pool's peak counters: the manager's peaks come from here
         c["peak_in_use_bytes"], c["peak_reserved_bytes"] = self._peaks.peaks(
             c["peak_in_use_bytes"], c["peak_reserved_bytes"])
+        # pages the driver refused to free: the device holds them, the pool no longer does
+        expandable = self._growth.expandable
+        c["held_bytes"] = expandable.held_bytes if expandable is not None else 0
+        c["reserved_bytes"] += c["held_bytes"]
+        c["peak_reserved_bytes"] = max(c["peak_reserved_bytes"], c["reserved_bytes"])
         if self._closed:
             for held in ("reserved_bytes", "in_use_bytes", "cached_bytes", "requested_bytes",
-                         "active_blocks", "num_segments", "largest_free_block"):
+                         "active_blocks", "num_segments", "largest_free_block", "held_bytes"):
                 c[held] = 0
         return MemoryStats(
             device=self.device_string,
@@ -433,6 +438,7 @@ class MemoryManager(ManagerCore):
             segments_released=c["segments_released"],
             num_ooms=self._miss.num_ooms,
             pending_free_bytes=0 if self._closed else self.pending_free_bytes,
+            held_bytes=c["held_bytes"],
         )
 
     # --- pressure ----------------------------------------------------------------------------------

@@ -95,7 +95,7 @@ def summary_data(manager: MemoryManager, *, top_tags: int = 5) -> SummaryData:
         "reserved_bytes": st.reserved_bytes, "peak_reserved_bytes": st.peak_reserved_bytes,
         "in_use_bytes": st.in_use_bytes, "peak_in_use_bytes": st.peak_in_use_bytes,
         "requested_bytes": st.requested_bytes, "cached_bytes": st.cached_bytes,
-        "pending_free_bytes": st.pending_free_bytes,
+        "pending_free_bytes": st.pending_free_bytes, "held_bytes": st.held_bytes,
         "largest_free_block": st.largest_free_block,
         "fragmentation_ratio": st.fragmentation_ratio(), "active_buffers": st.active_buffers,
         "num_allocs": st.num_allocs, "num_frees": st.num_frees, "pool_hits": st.pool_hits,
@@ -130,6 +130,9 @@ def format_summary(d: dict[str, Any]) -> str:
     ]
     if d["pending_free_bytes"]:
         lines.append(f"{'waiting for streams':<26}{fb(d['pending_free_bytes']):>16}")
+    if d.get("held_bytes"):
+        # counted in reserved: the driver refused to free these pages, retried on each trim
+        lines.append(f"{'held (free refused)':<26}{fb(d['held_bytes']):>16}")
     lines += [
         f"{'CPU fallbacks':<26}{d['cpu_fallbacks']:>16,d}   {fb(d['fallback_bytes'])} live "
         f"in host memory",
