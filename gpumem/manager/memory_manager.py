@@ -43,6 +43,7 @@ from gpumem.backends import HOST_DEVICE, Device, default_device, open_device
 from gpumem.config import MAX_BYTES, MemoryConfig
 from gpumem.errors import ClosedManagerError, InvalidInputError
 from gpumem.manager.growth import SegmentGrowth
+from gpumem.manager.interfaces import OomCallback
 from gpumem.manager.live_config import check_live_change, usable_bytes
 from gpumem.manager.measure import PeakWindows
 from gpumem.manager.miss_path import MissPath
@@ -67,9 +68,6 @@ log = logging.getLogger("gpumem")
 #: (1 MiB otherwise): on the shared traces it lowers peak reserved/live by up to 0.02
 EXPANDABLE_SPLIT_MIN = 64 << 10
 
-#: called as ``callback(manager, requested_bytes)`` when a request cannot be served; it may
-#: free memory, after which the request is retried once.
-OomCallback = Callable[["MemoryManager", int], None]
 
 
 def _byte_count(value: Any, what: str) -> int:

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from gpumem._core.manager_core import CoreAccess
     from gpumem.config import MemoryConfig
     from gpumem.manager.growth import SegmentGrowth
-    from gpumem.manager.memory_manager import MemoryManager, OomCallback
+    from gpumem.manager.interfaces import HostAllocator, OomCallback
     from gpumem.manager.stream_book import StreamBook
     from gpumem.observe.history import HistoryRecorder
 
@@ -52,7 +52,7 @@ class MissPath:
 
     def __init__(self, core: CoreAccess, growth: SegmentGrowth, streams: StreamBook,
                  config: MemoryConfig, total_memory: int,
-                 make_host: Callable[[], MemoryManager],
+                 make_host: Callable[[], HostAllocator],
                  recorders: list[HistoryRecorder]) -> None:
         self._core = core
         self.growth = growth
@@ -62,7 +62,7 @@ class MissPath:
         self._make_host = make_host
         self._recorders = recorders
         self.oom_callbacks: list[OomCallback] = []
-        self.host: MemoryManager | None = None     # serves CPU fallbacks, made on the first
+        self.host: HostAllocator | None = None     # serves CPU fallbacks, made on the first
         self.num_ooms = 0
         self.cpu_fallbacks = 0
         self.fallback_bytes = 0                    # held by live fallback buffers

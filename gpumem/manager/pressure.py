@@ -13,14 +13,21 @@ from __future__ import annotations
 import enum
 import logging
 import warnings
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Protocol
 
 if TYPE_CHECKING:
     from gpumem._core.pool import CachingPool
     from gpumem.config import MemoryConfig
-    from gpumem.manager.growth import SegmentGrowth
 
-__all__ = ["MemoryPressure", "pressure_level", "PressureCallback", "PressureWatch"]
+__all__ = ["MemoryPressure", "pressure_level", "PressureCallback", "PressureWatch",
+           "CacheRelease"]
+
+
+class CacheRelease(Protocol):
+    """What the pressure responses call (SegmentGrowth implements it)."""
+
+    def release_cached(self, max_bytes: int | None = None, *, reason: str = "",
+                       small: bool | None = None) -> int: ...
 
 log = logging.getLogger("gpumem")
 
@@ -71,7 +78,7 @@ class PressureWatch:
         """The level of :meth:`ratio` now."""
         return pressure_level(self.ratio(), self.config.pressure_thresholds)
 
-    def update(self, growth: SegmentGrowth) -> None:
+    def update(self, growth: CacheRelease) -> None:
         """After the held bytes changed: tell the observers of a new level; on a rise, respond
         through ``growth`` as the config asks."""
         level = self.current()
@@ -90,7 +97,7 @@ class PressureWatch:
         if level > old:
             self._respond(level, growth)
 
-    def _respond(self, level: MemoryPressure, growth: SegmentGrowth) -> None:
+    def _respond(self, level: MemoryPressure, growth: CacheRelease) -> None:
         cfg = self.config
         if level >= MemoryPressure.CRITICAL and cfg.auto_cleanup_at_critical:
             growth.release_cached(reason="emergency cleanup")

@@ -22,7 +22,7 @@ from gpumem.stats import StatsDict
 from gpumem.units import format_bytes
 
 if TYPE_CHECKING:
-    from gpumem.manager.memory_manager import MemoryManager
+    from gpumem.manager.interfaces import SummarySource
 
 __all__ = ["memory_summary", "summary_data", "format_summary", "SummaryData"]
 
@@ -70,7 +70,7 @@ def _segments_by_class(segments: list[dict]) -> list[dict]:
     return [rows[k] for k in sorted(rows)]
 
 
-def summary_data(manager: MemoryManager, *, top_tags: int = 5) -> SummaryData:
+def summary_data(manager: SummarySource, *, top_tags: int = 5) -> SummaryData:
     """The figures of :func:`memory_summary` as a plain dict."""
     if isinstance(top_tags, bool) or not isinstance(top_tags, int) or top_tags < 0:
         raise InvalidInputError(f"top_tags must be an int >= 0, got {top_tags!r}")
@@ -167,6 +167,6 @@ def format_summary(d: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def memory_summary(manager: MemoryManager, *, top_tags: int = 5) -> str:
+def memory_summary(manager: SummarySource, *, top_tags: int = 5) -> str:
     """The table for ``manager`` (see the module docstring)."""
     return format_summary(summary_data(manager, top_tags=top_tags))
