@@ -18,8 +18,8 @@ bookkeeping tracking and history recording attach to.
 Thread safety (the whole contract: docs/concurrency.md): every public method may be called from
 any thread. ``_slow`` (an RLock, owned by the manager, shared with its parts as their ``lock``)
 serialises the miss path, stream bookkeeping, segment growth, reconfigure() and close(); the hot
-path takes only the pool's C lock (it reads the limits reconfigure() sets as single C words). Destroyed streams are learnt from the device's listener and refused
-from then on.
+path takes only the pool's C lock (it reads the limits reconfigure() sets as single C words).
+Destroyed streams are learnt from the device's listener and refused from then on.
 
 Tracking and history recording keep per-buffer state only for tagged buffers: ``_tags`` (id ->
 tag, owned by the manager) gets one dict store from the alloc path under the GIL, and the core's
