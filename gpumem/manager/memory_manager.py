@@ -69,7 +69,6 @@ log = logging.getLogger("gpumem")
 EXPANDABLE_SPLIT_MIN = 64 << 10
 
 
-
 def _byte_count(value: Any, what: str) -> int:
     """A byte count in [0, MAX_BYTES] from an int (numpy integers accepted) or a string such
     as ``"1GiB"``, else a specific error naming `what`."""
