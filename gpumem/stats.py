@@ -96,14 +96,15 @@ class StatsDict(dict):
 class MemoryStats:
     """Counters of one manager at one moment.
 
-    Invariant (tested): ``reserved_bytes == in_use_bytes + cached_bytes``, where
+    Invariant (tested): ``reserved_bytes == in_use_bytes + cached_bytes + held_bytes``, where
     ``in_use_bytes`` counts live blocks at their *rounded* size; the rounding itself is
-    ``in_use_bytes - requested_bytes``. CPU-fallback buffers are not device memory and are
-    counted apart (``fallback_bytes``).
+    ``in_use_bytes - requested_bytes``. ``held_bytes`` are pages the driver refused to free
+    (retried by the next trim or close()): the device holds them, nothing can use them.
+    CPU-fallback buffers are not device memory and are counted apart (``fallback_bytes``).
     """
 
     device: str
-    reserved_bytes: int             # held from the device in segments
+    reserved_bytes: int             # held from the device: segments and held_bytes
     in_use_bytes: int               # live blocks, rounded sizes
     requested_bytes: int            # live blocks, as requested
     cached_bytes: int               # free bytes in segments, ready for reuse
@@ -124,6 +125,9 @@ class MemoryStats:
     # freed blocks waiting for other streams (Buffer.record_stream): counted in in_use_bytes,
     # not in active_buffers
     pending_free_bytes: int = 0
+    # pages of expandable segments the driver refused to free, held for a retry: counted in
+    # reserved_bytes (the device holds them), neither in use nor cached
+    held_bytes: int = 0
 
     total_allocated_bytes = DeprecatedName("reserved_bytes")
     pooled_bytes = DeprecatedName("cached_bytes")
@@ -160,7 +164,9 @@ class MemoryStats:
                 f"{fb(self.peak_reserved_bytes)}; hits {self.pool_hits}, misses "
                 f"{self.pool_misses} ({self.hit_rate():.1%}), fragmentation "
                 f"{self.fragmentation_ratio():.1%}, CPU fallbacks {self.cpu_fallbacks}, "
-                f"OOMs {self.num_ooms}")
+                f"OOMs {self.num_ooms}"
+                + (f", held after a refused free {fb(self.held_bytes)}" if self.held_bytes
+                   else ""))
 
 
 class MemoryStatsDict(StatsDict):

@@ -248,8 +248,9 @@ def _check_device(manager: Any, segs: list[dict], reserved: int) -> None:
         for h, s in pool.items():
             assert sim[h].base == s["base"], f"segment {h}: pool base differs from the driver's"
             assert sim[h].nbytes == s["size"], f"segment {h}: pool size differs from the driver's"
-        assert dev.live_bytes == reserved, (
-            f"sim live_bytes {dev.live_bytes} != pool reserved {reserved}")
+        held_bytes = manager._expandable.held_bytes if manager._expandable is not None else 0
+        assert dev.live_bytes == reserved + held_bytes == manager.stats().reserved_bytes, (
+            f"sim live_bytes {dev.live_bytes} != pool reserved {reserved} + held {held_bytes}")
         assert dev.live_segments == len(segs)
     elif backend == "cpu":
         held = dev.properties().extra["bytes_held"]
@@ -303,8 +304,11 @@ def check(manager: Any, live: Iterable[Any] | None = None) -> None:
 
     # stats ------------------------------------------------------------------------------------
     st = manager.stats()
-    assert st.reserved_bytes == st.in_use_bytes + st.cached_bytes, st
-    assert st.reserved_bytes == reserved, (st.reserved_bytes, reserved)
+    # pages the driver refused to free are held by the device: reserved, neither used nor cached
+    held = manager._expandable.held_bytes if manager._expandable is not None else 0
+    assert st.held_bytes == (0 if manager.closed else held), (st.held_bytes, held)
+    assert st.reserved_bytes == st.in_use_bytes + st.cached_bytes + st.held_bytes, st
+    assert st.reserved_bytes == reserved + st.held_bytes, (st.reserved_bytes, reserved)
     assert st.in_use_bytes == in_use, (st.in_use_bytes, in_use)
     assert st.requested_bytes == requested, (st.requested_bytes, requested)
     assert st.cached_bytes == cached, (st.cached_bytes, cached)

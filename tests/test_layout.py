@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import re
 from pathlib import Path
+from typing import Protocol
 
 import gpumem
 
@@ -117,6 +118,160 @@ def test_the_checker_finds_a_cycle():
     """The cycle finder itself works (so the test above can fail)."""
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+# --- circles through every import, lazy and type-only included (issue 33) --------------------
+_CY_ANY_IMPORT = re.compile(r"^\s*(?:from\s+(gpumem[\w.]*)\s+(?:c?import)\s+(.+)|"
+                            r"import\s+(gpumem[\w.]*))")
+
+
+def every_import(path: Path) -> list[tuple[str, list[str]]]:
+    """(module, names) for each import anywhere in ``path``: at module level, inside functions
+    (lazy) and under ``if TYPE_CHECKING:``. A reader (or a type checker) follows them all."""
+    src = path.read_text(encoding="utf-8")
+    if path.suffix == ".pyx":
+        out = []
+        for line in src.splitlines():
+            m = _CY_ANY_IMPORT.match(line)
+            if m and m.group(1):
+                names = [n.strip().split(" as ")[0] for n in m.group(2).strip("()").split(",")]
+                out.append((m.group(1), names))
+            elif m:
+                out.append((m.group(3), []))
+        return out
+    out = []
+    for node in ast.walk(ast.parse(src)):
+        if isinstance(node, ast.Import):
+            out += [(a.name, []) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.append((node.module, [a.name for a in node.names]))
+    return out
+
+
+def full_import_graph() -> dict[str, set[str]]:
+    """module -> the gpumem modules it names in any import (see :func:`every_import`)."""
+    mods = all_modules()
+    graph: dict[str, set[str]] = {m: set() for m in mods}
+    for mod, path in mods.items():
+        for target, names in every_import(path):
+            if target.split(".")[0] != "gpumem":
+                continue
+            subs = [f"{target}.{n}" for n in names if f"{target}.{n}" in mods]
+            graph[mod] |= {d for d in subs or ([target] if target in mods else []) if d != mod}
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[set[str]]:
+    """The import circles: strongly connected sets of two or more modules (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[set[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            group = set()
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                group.add(top)
+                if top == node:
+                    break
+            if len(group) > 1:
+                found.append(group)
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def package_of(module: str, mods: dict[str, Path] | None = None) -> str:
+    """The package a module belongs to (a package's __init__ belongs to the package itself)."""
+    mods = all_modules() if mods is None else mods
+    path = mods.get(module)
+    if path is not None and path.stem == "__init__":
+        return module
+    return module.rsplit(".", 1)[0] if "." in module else module
+
+
+def test_no_import_circle_across_packages():
+    """Counting every import (lazy and type-only too), no circle joins modules of two packages:
+    a package can be read, and reworked, without the ones it serves."""
+    mods = all_modules()
+    across = [sorted(group) for group in circles(full_import_graph())
+              if len({package_of(m, mods) for m in group}) > 1]
+    assert not across, "import circles across packages: " + "; ".join(map(str, across))
+
+
+MANAGER = "gpumem.manager.memory_manager"
+
+
+def test_no_part_imports_the_manager_back():
+    """The manager's parts and readers depend on Protocols (gpumem.manager.interfaces, or one
+    declared beside them), never on memory_manager.py, even under TYPE_CHECKING; so no circle
+    runs through it."""
+    graph = full_import_graph()
+    back = sorted(m for m, dests in graph.items()
+                  if MANAGER in dests and m.startswith("gpumem.manager."))
+    assert not back, f"manager parts import {MANAGER}: {back}"
+    through = [sorted(g) for g in circles(graph) if MANAGER in g]
+    assert not through, f"import circles through {MANAGER}: {through}"
+
+
+def test_the_circle_finder_finds_circles(tmp_path):
+    """circles() and package_of() themselves work (so the two tests above can fail)."""
+    graph = {"gpumem.a.x": {"gpumem.b.y"}, "gpumem.b.y": {"gpumem.a.z"},
+             "gpumem.a.z": {"gpumem.a.x"}, "gpumem.c": {"gpumem.a.x"}}
+    assert circles(graph) == [{"gpumem.a.x", "gpumem.b.y", "gpumem.a.z"}]
+    assert circles({"a": {"b"}, "b": set()}) == []
+    assert package_of("gpumem.manager.memory_manager") == "gpumem.manager"
+    assert package_of("gpumem.manager") == "gpumem.manager"
+    assert package_of("gpumem.config") == "gpumem"
+    src = "if TYPE_CHECKING:\n    from gpumem.manager.memory_manager import MemoryManager\n" \
+          "def f():\n    import gpumem.observe.summary\n"
+    probe = tmp_path / "probe.py"
+    probe.write_text(src, encoding="utf-8")
+    assert every_import(probe) == [("gpumem.manager.memory_manager", ["MemoryManager"]),
+                                   ("gpumem.observe.summary", [])]
+
+
+class _EmptyProtocol(Protocol):
+    """The members every Protocol class has (machinery, not an interface's)."""
+
+
+def test_the_manager_implements_its_interfaces(make_manager):
+    """Every member a Protocol of gpumem.manager.interfaces (and the peers registry's Peer)
+    names exists on a real MemoryManager (FallbackLedger: on its miss path; the pressure
+    watch's CacheRelease: on its segment growth), so the Protocols describe what runs."""
+    import inspect
+
+    from gpumem.manager import interfaces
+    from gpumem.manager.pressure import CacheRelease
+    from gpumem.placement.peers import Peer
+    mm = make_manager()
+    implementers = {interfaces.FallbackLedger: mm._miss, CacheRelease: mm._growth}
+    protocols = [c for _, c in inspect.getmembers(interfaces, inspect.isclass)
+                 if c.__module__ == interfaces.__name__] + [Peer, CacheRelease]
+    for proto in protocols:
+        target = implementers.get(proto, mm)
+        for klass in proto.__mro__:
+            if klass.__module__ not in (interfaces.__name__, "gpumem.placement.peers",
+                                        "gpumem.manager.pressure"):
+                continue
+            names = set(getattr(klass, "__annotations__", {})) | set(vars(klass))
+            for name in names - set(vars(_EmptyProtocol)) - {"__annotations__"}:
+                assert hasattr(target, name), f"{proto.__name__}.{name} is not on {target!r}"
 
 
 def test_only_the_ground_floor_is_flat():

@@ -21,6 +21,7 @@ from gpumem.manager.measure import MeasuredStats
 from gpumem.observe.replay import ReplayResult, replay
 from gpumem.observe.snapshot import summarize, take_snapshot
 from gpumem.observe.summary import summary_data
+from gpumem.planning.torch_replay import TorchReplayResult
 from gpumem.observe.trace import write_trace
 from gpumem.stats import VOCABULARY, StatsDict, deprecated_names
 from invariants import require_checkout
@@ -54,6 +55,14 @@ def replayed(tmp_path_factory) -> ReplayResult:
     path = tmp_path_factory.mktemp("trace") / "t.csv"
     write_trace(path, [(0, "a", 0, MiB), (1, "f", 0, MiB), (2, "a", 1, MiB), (3, "f", 1, MiB)])
     return replay(str(path), "sim:1GiB")
+
+
+@pytest.fixture(scope="module")
+def torch_replayed(tmp_path_factory):
+    from gpumem.planning.torch_replay import replay_torch_model
+    path = tmp_path_factory.mktemp("trace") / "t.csv"
+    write_trace(path, [(0, "a", 0, MiB), (1, "a", 1, MiB), (2, "f", 0, MiB)])
+    return replay_torch_model(str(path), capacity="1GiB")
 
 
 def _torch_counters():
@@ -102,8 +111,9 @@ def test_measured_replayed_and_torch_counters_use_the_names(measured, replayed):
     assert (measured.num_allocs, measured.num_frees, measured.pool_hits,
             measured.pool_misses, measured.num_ooms) == (1, 1, 1, 0, 0)
     assert (replayed.pool_hits, replayed.pool_misses) == (1, 1)
+    assert (replayed.num_allocs, replayed.num_frees) == (2, 2)
     assert {"num_allocs", "num_frees", "num_ooms"} <= set(_torch_counters())
-    for cls in (MemoryStats, MeasuredStats, ReplayResult):
+    for cls in (MemoryStats, MeasuredStats, ReplayResult, TorchReplayResult):
         names = {f.name for f in dataclasses.fields(cls)}
         assert not names & set(deprecated_names(cls)), cls
 
@@ -120,13 +130,19 @@ ATTRIBUTES = [
     ("measured", "ooms", "num_ooms"),
     ("replayed", "hits", "pool_hits"),
     ("replayed", "misses", "pool_misses"),
+    ("replayed", "allocs", "num_allocs"),
+    ("replayed", "frees", "num_frees"),
+    ("torch_replayed", "allocs", "num_allocs"),
+    ("torch_replayed", "frees", "num_frees"),
 ]
 
 
 @pytest.mark.parametrize("what,old,new", ATTRIBUTES)
-def test_old_attribute_warns_and_reads_the_new_one(what, old, new, used, measured, replayed):
+def test_old_attribute_warns_and_reads_the_new_one(what, old, new, used, measured, replayed,
+                                                   torch_replayed):
     """obj.old reads obj.new's value, with a DeprecationWarning naming both."""
-    obj = {"stats": used.stats(), "measured": measured, "replayed": replayed}[what]
+    obj = {"stats": used.stats(), "measured": measured, "replayed": replayed,
+           "torch_replayed": torch_replayed}[what]
     with pytest.warns(DeprecationWarning, match=rf"'{old}' is a deprecated name.*use '{new}'"):
         value = getattr(obj, old)
     assert value == getattr(obj, new) and isinstance(value, int)
@@ -154,7 +170,8 @@ DICTS = {
                                  "hits": "pool_hits", "misses": "pool_misses",
                                  "ooms": "num_ooms"}),
     "ReplayResult.as_dict()": (lambda mm, m, r: r.as_dict(),
-                               {"hits": "pool_hits", "misses": "pool_misses"}),
+                               {"hits": "pool_hits", "misses": "pool_misses",
+                                "allocs": "num_allocs", "frees": "num_frees"}),
     "summary_data()": (lambda mm, m, r: summary_data(mm),
                        {"allocations": "num_allocs", "frees": "num_frees", "hits": "pool_hits",
                         "misses": "pool_misses", "ooms": "num_ooms", "segments": "num_segments",
@@ -184,6 +201,18 @@ def test_old_dict_key_warns_and_reads_the_new_one(what, used, measured, replayed
             assert d[old] == d[new]
         with pytest.warns(DeprecationWarning, match=rf"'{old}'"):
             assert d.get(old) == d[new]
+
+
+def test_torch_replay_dict_reads_the_old_event_counts(torch_replayed):
+    """TorchReplayResult.as_dict() (the PyTorch model's replay figures) names the trace's
+    events num_allocs / num_frees; the old keys read them with a warning, JSON has the new."""
+    d = torch_replayed.as_dict()
+    assert (d["num_allocs"], d["num_frees"]) == (2, 1)
+    assert "allocs" not in json.loads(json.dumps(d, default=str))
+    with pytest.warns(DeprecationWarning, match="'allocs' is a deprecated name.*'num_allocs'"):
+        assert d["allocs"] == 2
+    with pytest.warns(DeprecationWarning, match="'frees'"):
+        assert d.get("frees") == 1
 
 
 def test_dask_rows_read_the_old_peak_key():
@@ -223,7 +252,7 @@ def test_the_docs_table_lists_every_name_and_every_old_name():
     olds = set()
     for make, renamed in DICTS.values():
         olds |= set(renamed)
-    for cls in (MemoryStats, MeasuredStats, ReplayResult):
+    for cls in (MemoryStats, MeasuredStats, ReplayResult, TorchReplayResult):
         olds |= set(deprecated_names(cls))
     olds.add("peak_bytes")                                       # Dask rows
     for old in olds:

@@ -28,7 +28,14 @@ __all__ = ["cmd_demo"]
 _DEMO_LABEL = 50
 
 
-def _demo_step(mm: Any, label: str, fn: Any) -> Any:
+#: a step's claim: MemoryStats fields and how much the step changes each
+Claim = dict[str, int]
+
+
+def _demo_step(mm: Any, label: str, fn: Any, claim: Claim, record: list) -> Any:
+    """Run one narrated step; print what the pool did; append ``(label, claim, observed)`` to
+    `record`, `observed` being the change of each field `claim` names (tests/cli/test_demo.py
+    checks that the two agree, so the narration cannot drift from what happens)."""
     # the label goes out before the step runs: an error the step raises is printed after it
     sys.stdout.write(f"  {label:<{_DEMO_LABEL}} ")
     sys.stdout.flush()
@@ -37,12 +44,15 @@ def _demo_step(mm: Any, label: str, fn: Any) -> Any:
         out = fn()
     except Exception as exc:
         say(f"{type(exc).__name__}")
+        record.append((label, claim, _deltas(before, mm.stats(), claim)))
         raise
     after = mm.stats()
+    record.append((label, claim, _deltas(before, after, claim)))
     hits = after.pool_hits - before.pool_hits
     misses = after.pool_misses - before.pool_misses
     new_segs = after.segments_created - before.segments_created
     released = after.segments_released - before.segments_released
+    fallbacks = after.cpu_fallbacks - before.cpu_fallbacks
     what = []
     if hits:
         what.append(f"{hits} hit{'s' if hits > 1 else ''}")
@@ -52,42 +62,75 @@ def _demo_step(mm: Any, label: str, fn: Any) -> Any:
         what.append(f"+{new_segs} segment{'s' if new_segs > 1 else ''}")
     if released:
         what.append(f"-{released} segment{'s' if released > 1 else ''}")
+    if fallbacks:
+        what.append(f"{fallbacks} CPU fallback{'s' if fallbacks > 1 else ''}")
     say(f"{', '.join(what) or 'no pool traffic':<30} "
          f"in use {fmt_bytes(after.in_use_bytes):>10}, reserved {fmt_bytes(after.reserved_bytes):>10}")
     return out
 
 
-def _demo_manual(dev: Any) -> None:
+def _deltas(before: Any, after: Any, claim: Claim) -> Claim:
+    return {name: getattr(after, name) - getattr(before, name) for name in claim}
+
+
+def _demo_manual(dev: Any, *, expandable: bool = True) -> list:
+    """The hand-made allocations of the demo on `dev` (256 MiB), with expandable segments
+    (the default) or plain ones; returns each step's ``(label, claim, observed)``."""
     import gpumem_sim
     from gpumem.config import MemoryConfig
     from gpumem.errors import OutOfMemoryError
     from gpumem.manager.memory_manager import MemoryManager
     from gpumem.observe.snapshot import format_snapshot
     MiB, GiB = 1 << 20, 1 << 30
+    record: list = []
     with gpumem_sim.using(dev):
-        cfg = MemoryConfig(track_allocations=True, min_free_bytes=0, cpu_fallback_enabled=True)
+        cfg = MemoryConfig(track_allocations=True, min_free_bytes=0, cpu_fallback_enabled=True,
+                           expandable_segments=expandable)
         with MemoryManager("sim:0", cfg) as mm:
-            step = lambda label, fn: _demo_step(mm, label, fn)  # noqa: E731
-            a = step("malloc 3 MiB (first request)", lambda: mm.malloc(3 * MiB, tag="act"))
-            b = step("malloc 3 MiB again (same segment)", lambda: mm.malloc(3 * MiB, tag="act"))
-            small = step("malloc 100 x 4 KiB (small pool)",
-                         lambda: [mm.malloc(4096, tag="small") for _ in range(100)])
-            step("free the first 3 MiB buffer", a.free)
+            grows = mm.expandable_segments is not None
+            kind = ("expandable segments: a large segment grows in place by mapping pages"
+                    if grows else "plain segments: each holds a fixed size from the driver")
+            say(f"  ({kind}; usable {fmt_bytes(mm.usable_memory)} of "
+                f"{fmt_bytes(mm.total_memory)})")
+
+            def step(label: str, fn: Any, **claim: int) -> Any:
+                return _demo_step(mm, label, fn, claim, record)
+            a = step("malloc 3 MiB (first request: a new segment)",
+                     lambda: mm.malloc(3 * MiB, tag="act"), pool_misses=1, segments_created=1)
+            if grows:
+                b = step("malloc 3 MiB again (the segment grows in place)",
+                         lambda: mm.malloc(3 * MiB, tag="act"), pool_misses=1, segments_created=0)
+            else:
+                b = step("malloc 3 MiB again (the same segment's free rest)",
+                         lambda: mm.malloc(3 * MiB, tag="act"), pool_hits=1, pool_misses=0)
+            small = step("malloc 100 x 4 KiB (small pool: one new segment)",
+                         lambda: [mm.malloc(4096, tag="small") for _ in range(100)],
+                         pool_hits=99, pool_misses=1, segments_created=1)
+            step("free the first 3 MiB buffer (cached, not returned)", a.free,
+                 reserved_bytes=0, segments_released=0)
             a = step("malloc 3 MiB (reuses the freed block)",
-                     lambda: mm.malloc(3 * MiB, tag="act"))
-            w = step("malloc 160 MiB of weights (own segment)",
-                     lambda: mm.malloc(160 * MiB, tag="weights"))
-            step("free the small buffers", lambda: [s.free() for s in small])
+                     lambda: mm.malloc(3 * MiB, tag="act"), pool_hits=1, pool_misses=0)
+            if grows:
+                w = step("malloc 160 MiB of weights (the segment grows)",
+                         lambda: mm.malloc(160 * MiB, tag="weights"),
+                         pool_misses=1, segments_created=0)
+            else:
+                w = step("malloc 160 MiB of weights (a segment of its own)",
+                         lambda: mm.malloc(160 * MiB, tag="weights"),
+                         pool_misses=1, segments_created=1)
+            step("free the small buffers", lambda: [s.free() for s in small],
+                 reserved_bytes=0)
             try:
-                step("malloc 1 GiB (more than the device)", lambda: mm.malloc(1 * GiB))
+                step("malloc 1 GiB (more than the device)", lambda: mm.malloc(1 * GiB),
+                     num_ooms=1, cpu_fallbacks=0)
             except OutOfMemoryError as exc:
                 say(f"    -> {exc}")
-            fb = step("malloc 64 MiB (device nearly full: CPU fallback)",
-                      lambda: mm.malloc(64 * MiB, tag="spill"))
+            fb = step("malloc 80 MiB (over the limit: CPU fallback)",
+                      lambda: mm.malloc(80 * MiB, tag="spill"), cpu_fallbacks=1, in_use_bytes=0)
             say(f"    -> {fb!r}")
-            fb.free()
             say("")
             say("  " + str(mm.stats()).replace("; ", ";\n  "))
+            fb.free()
             leaks = mm.check_leaks()
             say(f"  still live (tracked): {len(leaks)} buffer(s): "
                  + ", ".join(f"{m.tag} {fmt_bytes(m.nbytes)}" for m in leaks))
@@ -98,6 +141,7 @@ def _demo_manual(dev: Any) -> None:
                 buf.free()
             released = mm.empty_cache()
             say(f"  freed everything; empty_cache() returned {fmt_bytes(released)} to the device")
+    return record
 
 
 class _DropWarnings(logging.Filter):

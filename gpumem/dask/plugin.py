@@ -266,6 +266,7 @@ class GpumemPlugin(WorkerPlugin):
             "reserved_bytes": s.reserved_bytes,
             "in_use_bytes": s.in_use_bytes,
             "cached_bytes": s.cached_bytes,
+            "held_bytes": s.held_bytes,
             "peak_reserved_bytes": s.peak_reserved_bytes,
             "peak_in_use_bytes": s.peak_in_use_bytes,
             "num_allocs": s.num_allocs,

@@ -34,7 +34,7 @@ from gpumem.manager.fallback import FallbackBuffer
 
 if TYPE_CHECKING:
     from gpumem.manager.growth import Growth
-    from gpumem.manager.memory_manager import MemoryManager
+    from gpumem.manager.interfaces import Allocator
     from gpumem.manager.miss_path import MissPath
 
 __all__ = ["BufferBatch", "allocate_batch", "warmup", "allocate_in_segments", "warm_up",
@@ -65,7 +65,7 @@ class BufferBatch:
 
     __slots__ = ("_manager", "_buffers")
 
-    def __init__(self, manager: "MemoryManager") -> None:
+    def __init__(self, manager: "Allocator") -> None:
         if not callable(getattr(manager, "malloc", None)) or not hasattr(manager, "pool"):
             raise InvalidInputError(
                 f"BufferBatch needs a gpumem MemoryManager, got {type(manager).__name__}")
@@ -73,7 +73,7 @@ class BufferBatch:
         self._buffers: list[Buffer | FallbackBuffer] = []
 
     @property
-    def manager(self) -> "MemoryManager":
+    def manager(self) -> "Allocator":
         return self._manager
 
     def malloc(self, nbytes: int, stream: Any = None, tag: Any = None) -> Buffer | FallbackBuffer:
@@ -156,7 +156,7 @@ class BufferBatch:
 # allocate_batch
 # ---------------------------------------------------------------------------------------------
 
-def allocate_batch(manager: "MemoryManager", sizes: Iterable[int], *, stream: Any = None,
+def allocate_batch(manager: "Allocator", sizes: Iterable[int], *, stream: Any = None,
                    tag: Any = None) -> list[Buffer | FallbackBuffer]:
     """Allocate one buffer per entry of ``sizes`` (in that order), in as few segments as possible.
 
@@ -330,7 +330,7 @@ def _undo(growth: Growth, out: list[Any], before: set[int],
 # warmup
 # ---------------------------------------------------------------------------------------------
 
-def warmup(manager: "MemoryManager", sizes: Sequence[int], counts: Sequence[int] | int = 1, *,
+def warmup(manager: "Allocator", sizes: Sequence[int], counts: Sequence[int] | int = 1, *,
            stream: Any = None) -> int:
     """Allocate ``counts[i]`` buffers of ``sizes[i]`` (``counts`` may be one int for all) in as
     few segments as possible, then free them so the cache holds them: later requests of these

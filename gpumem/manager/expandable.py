@@ -627,6 +627,11 @@ class ExpandableSegments:
         later)."""
         return len(self._held)
 
+    @property
+    def held_bytes(self) -> int:
+        """The bytes of the held handles: the device still holds them (MemoryStats.held_bytes)."""
+        return sum(n for _, n in self._held)
+
     def release(self, handle: int) -> int:
         """A segment without live blocks that the pool detached: unmap and release its
         mappings, free its reservation. Returns the bytes freed. A driver refusal warns: a

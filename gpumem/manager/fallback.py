@@ -16,8 +16,7 @@ from gpumem.errors import BufferInUseError, ClosedManagerError, DoubleFreeError,
 if TYPE_CHECKING:
     from gpumem._core.buffer import Buffer
     from gpumem._core.view import BufferView
-    from gpumem.manager.memory_manager import MemoryManager
-    from gpumem.manager.miss_path import MissPath
+    from gpumem.manager.interfaces import FallbackLedger, ManagerHandle
 
 __all__ = ["FallbackBuffer"]
 
@@ -33,8 +32,8 @@ class FallbackBuffer(AnyBuffer):
     __slots__ = ("_manager", "_miss", "_host", "tag", "stream", "__weakref__")
     location = "cpu"
 
-    def __init__(self, manager: "MemoryManager", miss: "MissPath", host: "Buffer", stream: int,
-                 tag: Any) -> None:
+    def __init__(self, manager: "ManagerHandle", miss: "FallbackLedger", host: "Buffer",
+                 stream: int, tag: Any) -> None:
         self._manager = manager
         self._miss = miss                 # the manager's miss path: accounting, migration
         self._host = host
@@ -76,7 +75,7 @@ class FallbackBuffer(AnyBuffer):
         return HOST_DEVICE
 
     @property
-    def manager(self) -> "MemoryManager":
+    def manager(self) -> "ManagerHandle":
         """The device's manager that handed this buffer out (not the host manager)."""
         return self._manager
 

@@ -38,7 +38,7 @@ from gpumem.stats import DeprecatedName, StatsDict, deprecated_names
 from gpumem.units import format_bytes
 
 if TYPE_CHECKING:
-    from gpumem.manager.memory_manager import MemoryManager
+    from gpumem.manager.interfaces import MeasuredManager
     from gpumem.manager.miss_path import MissPath
 
 __all__ = ["Measurement", "MeasuredStats", "PeakWindows"]
@@ -159,7 +159,7 @@ class Measurement:
     block exits. One Measurement measures one block (entering it twice is an error).
     ``peaks``: the manager's PeakWindows; ``miss``: its miss path (fallback and OOM counts)."""
 
-    def __init__(self, manager: MemoryManager, peaks: PeakWindows, miss: MissPath) -> None:
+    def __init__(self, manager: MeasuredManager, peaks: PeakWindows, miss: MissPath) -> None:
         self._manager = manager
         self._windows = peaks
         self._miss = miss

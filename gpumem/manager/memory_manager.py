@@ -17,9 +17,9 @@ bookkeeping tracking and history recording attach to.
 
 Thread safety (the whole contract: docs/concurrency.md): every public method may be called from
 any thread. ``_slow`` (an RLock, owned by the manager, shared with its parts as their ``lock``)
-serialises the miss path, stream bookkeeping, segment growth and close(); the hot path takes
-only the pool's C lock. Destroyed streams are learnt from the device's listener and refused
-from then on.
+serialises the miss path, stream bookkeeping, segment growth, reconfigure() and close(); the hot
+path takes only the pool's C lock (it reads the limits reconfigure() sets as single C words).
+Destroyed streams are learnt from the device's listener and refused from then on.
 
 Tracking and history recording keep per-buffer state only for tagged buffers: ``_tags`` (id ->
 tag, owned by the manager) gets one dict store from the alloc path under the GIL, and the core's
@@ -43,6 +43,8 @@ from gpumem.backends import HOST_DEVICE, Device, default_device, open_device
 from gpumem.config import MAX_BYTES, MemoryConfig
 from gpumem.errors import ClosedManagerError, InvalidInputError
 from gpumem.manager.growth import SegmentGrowth
+from gpumem.manager.interfaces import OomCallback
+from gpumem.manager.live_config import check_live_change, usable_bytes
 from gpumem.manager.measure import PeakWindows
 from gpumem.manager.miss_path import MissPath
 from gpumem.manager.pressure import MemoryPressure, PressureCallback, PressureWatch
@@ -65,10 +67,6 @@ log = logging.getLogger("gpumem")
 #: with expandable segments, large blocks are split when at least this much would remain
 #: (1 MiB otherwise): on the shared traces it lowers peak reserved/live by up to 0.02
 EXPANDABLE_SPLIT_MIN = 64 << 10
-
-#: called as ``callback(manager, requested_bytes)`` when a request cannot be served; it may
-#: free memory, after which the request is retried once.
-OomCallback = Callable[["MemoryManager", int], None]
 
 
 def _byte_count(value: Any, what: str) -> int:
@@ -157,12 +155,9 @@ class MemoryManager(ManagerCore):
                              else config.large_split_min),
             oversize_slack=config.oversize_slack)
         self._core_init(pool, dev, dev.device_string)
-        self.config = config
+        self._config = config       # the one the parts hold too (reconfigure pushes a new one)
         self.total_memory = total
-        reserve = config.reserve_bytes
-        if reserve is None:
-            reserve = dev.recommended_reserve(total)
-        usable = max(0, min(int(total * config.gpu_memory_fraction), total - reserve))
+        usable = usable_bytes(config, total, dev.recommended_reserve(total))
         self._set_limits(usable, config.max_pool_size)
         self._slow = threading.RLock()
         self._recorders: list[HistoryRecorder] = []    # running; guarded by _slow
@@ -182,6 +177,62 @@ class MemoryManager(ManagerCore):
                               _host_maker(self), self._recorders)
         self._set_slow_path(self._miss)
         self.tracker = None
+        self._set_tracking(config)
+        dev.add_stream_listener(self._streams.on_stream_destroyed)
+        peers.register(self)
+
+    # --- configuration ----------------------------------------------------------------------
+    @property
+    def config(self) -> MemoryConfig:
+        """The config this manager runs with. Assigning a MemoryConfig reconfigures the
+        manager as :meth:`reconfigure` does (same checks, same effect)."""
+        return self._config
+
+    @config.setter
+    def config(self, new: MemoryConfig) -> None:
+        self._apply_config(new)
+
+    def reconfigure(self, **changes: Any) -> MemoryConfig:
+        """Change MemoryConfig fields of this live manager, e.g.
+        ``mm.reconfigure(cpu_fallback_enabled=False, gpu_memory_fraction=0.5)``; returns the
+        new config. Every part acts on it at once (limits, cache cap, tracker, pressure) or on
+        its next call (fallback, growth). Fields the pool or its segments were built with
+        (segment sizes, expandable segments: gpumem.manager.live_config.FIXED_FIELDS) are
+        refused with InvalidInputError, as are unknown fields and invalid values; a refused
+        change changes nothing."""
+        self._apply_config(self._config.replace(**changes))
+        return self._config
+
+    def _apply_config(self, new: MemoryConfig) -> None:
+        with self._slow:
+            self._check_open()
+            check_live_change(self._config, new)
+            usable = usable_bytes(new, self.total_memory,
+                                  self.device.recommended_reserve(self.total_memory))
+            old, self._config = self._config, new
+            # every part that acts on the config holds it as `config`: one push reaches them
+            for part in (self._growth, self._miss, self._pressure):
+                part.config = new
+            self._growth.max_pool_size = new.max_pool_size
+            self.usable_memory = usable
+            self._set_limits(usable, new.max_pool_size)
+            if (old.track_allocations, old.track_stacks) != (new.track_allocations,
+                                                             new.track_stacks):
+                self._set_tracking(new)
+            self._growth.trim_cache()
+            over = self.pool.reserved_bytes - usable
+            if over > 0:                      # a narrower limit: give back what the cache can
+                self._growth.release_cached(over, reason="reconfigure")
+            self._growth.reserved_changed()   # the level under the new limit and thresholds
+
+    def _set_tracking(self, config: MemoryConfig) -> None:
+        """Make the tracker `config` asks for (dropping the one running, if any)."""
+        old = self.tracker
+        if old is not None:
+            self.tracker = None
+            if old in self._observers:
+                self.remove_observer(old)
+            self._keep_buffer_state()
         if config.track_allocations:
             from gpumem.observe.tracking import AllocationTracker
             self.tracker = AllocationTracker(self, capture_stacks=config.track_stacks)
@@ -189,8 +240,6 @@ class MemoryManager(ManagerCore):
                 self._keep_buffer_state()       # tags only: the pool knows the rest
             else:
                 self.add_observer(self.tracker)   # stacks: captured per buffer
-        dev.add_stream_listener(self._streams.on_stream_destroyed)
-        peers.register(self)
 
     # --- properties -----------------------------------------------------------------------
     @property
@@ -333,9 +382,7 @@ class MemoryManager(ManagerCore):
         nothing."""
         if nbytes is not None:
             nbytes = _byte_count(nbytes, "max_pool_size")
-        self._growth.max_pool_size = nbytes
-        self._set_limits(self.usable_memory, nbytes)
-        self._growth.trim_cache()
+        self.reconfigure(max_pool_size=nbytes)      # config, cap and limits: one source
 
     @property
     def _max_pool_size(self) -> int | None:
@@ -356,9 +403,14 @@ class MemoryManager(ManagerCore):
         # measure() blocks reset the pool's peak counters: the manager's peaks come from here
         c["peak_in_use_bytes"], c["peak_reserved_bytes"] = self._peaks.peaks(
             c["peak_in_use_bytes"], c["peak_reserved_bytes"])
+        # pages the driver refused to free: the device holds them, the pool no longer does
+        expandable = self._growth.expandable
+        c["held_bytes"] = expandable.held_bytes if expandable is not None else 0
+        c["reserved_bytes"] += c["held_bytes"]
+        c["peak_reserved_bytes"] = max(c["peak_reserved_bytes"], c["reserved_bytes"])
         if self._closed:
             for held in ("reserved_bytes", "in_use_bytes", "cached_bytes", "requested_bytes",
-                         "active_blocks", "num_segments", "largest_free_block"):
+                         "active_blocks", "num_segments", "largest_free_block", "held_bytes"):
                 c[held] = 0
         return MemoryStats(
             device=self.device_string,
@@ -383,6 +435,7 @@ class MemoryManager(ManagerCore):
             segments_released=c["segments_released"],
             num_ooms=self._miss.num_ooms,
             pending_free_bytes=0 if self._closed else self.pending_free_bytes,
+            held_bytes=c["held_bytes"],
         )
 
     # --- pressure ----------------------------------------------------------------------------------

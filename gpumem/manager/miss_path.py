@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from gpumem._core.manager_core import CoreAccess
     from gpumem.config import MemoryConfig
     from gpumem.manager.growth import SegmentGrowth
-    from gpumem.manager.memory_manager import MemoryManager, OomCallback
+    from gpumem.manager.interfaces import HostAllocator, OomCallback
     from gpumem.manager.stream_book import StreamBook
     from gpumem.observe.history import HistoryRecorder
 
@@ -53,17 +53,17 @@ class MissPath:
 
     def __init__(self, core: CoreAccess, growth: SegmentGrowth, streams: StreamBook,
                  config: MemoryConfig, total_memory: int,
-                 make_host: Callable[[], MemoryManager],
+                 make_host: Callable[[], HostAllocator],
                  recorders: list[HistoryRecorder]) -> None:
         self._core = core
         self.growth = growth
         self.streams = streams
-        self._config = config
+        self.config = config
         self._total = total_memory
         self._make_host = make_host
         self._recorders = recorders
         self.oom_callbacks: list[OomCallback] = []
-        self.host: MemoryManager | None = None     # serves CPU fallbacks, made on the first
+        self.host: HostAllocator | None = None     # serves CPU fallbacks, made on the first
         self.num_ooms = 0
         self.cpu_fallbacks = 0
         self.fallback_bytes = 0                    # held by live fallback buffers
@@ -78,7 +78,7 @@ class MissPath:
         buf = self.malloc_device(nbytes, stream, tag)
         if buf is not None:
             return buf
-        if fallback and self._config.cpu_fallback_enabled and nbytes <= self._total:
+        if fallback and self.config.cpu_fallback_enabled and nbytes <= self._total:
             return self._fallback(nbytes, stream, tag)
         raise self.oom_error(nbytes, fallback_refused=not fallback)
 
@@ -155,7 +155,7 @@ class MissPath:
     def oom_error(self, nbytes: int, fallback_refused: bool = False) -> OutOfMemoryError:
         """The OutOfMemoryError for a request nothing could serve, saying why (and counted)."""
         self.num_ooms += 1
-        growth, cfg = self.growth, self._config
+        growth, cfg = self.growth, self.config
         device, pool, usable = growth.device, growth.pool, growth.usable_memory
         try:
             free, total = device.mem_get_info()

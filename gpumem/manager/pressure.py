@@ -13,14 +13,21 @@ from __future__ import annotations
 import enum
 import logging
 import warnings
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Protocol
 
 if TYPE_CHECKING:
     from gpumem._core.pool import CachingPool
     from gpumem.config import MemoryConfig
-    from gpumem.manager.growth import SegmentGrowth
 
-__all__ = ["MemoryPressure", "pressure_level", "PressureCallback", "PressureWatch"]
+__all__ = ["MemoryPressure", "pressure_level", "PressureCallback", "PressureWatch",
+           "CacheRelease"]
+
+
+class CacheRelease(Protocol):
+    """What the pressure responses call (SegmentGrowth implements it)."""
+
+    def release_cached(self, max_bytes: int | None = None, *, reason: str = "",
+                       small: bool | None = None) -> int: ...
 
 log = logging.getLogger("gpumem")
 
@@ -55,7 +62,7 @@ class PressureWatch:
     def __init__(self, pool: CachingPool, config: MemoryConfig, usable_memory: int,
                  device_string: str) -> None:
         self._pool = pool
-        self._config = config
+        self.config = config
         self.usable_memory = usable_memory
         self._device_string = device_string
         self.level = MemoryPressure.LOW            # as of the latest update()
@@ -69,9 +76,9 @@ class PressureWatch:
 
     def current(self) -> MemoryPressure:
         """The level of :meth:`ratio` now."""
-        return pressure_level(self.ratio(), self._config.pressure_thresholds)
+        return pressure_level(self.ratio(), self.config.pressure_thresholds)
 
-    def update(self, growth: SegmentGrowth) -> None:
+    def update(self, growth: CacheRelease) -> None:
         """After the held bytes changed: tell the observers of a new level; on a rise, respond
         through ``growth`` as the config asks."""
         level = self.current()
@@ -90,8 +97,8 @@ class PressureWatch:
         if level > old:
             self._respond(level, growth)
 
-    def _respond(self, level: MemoryPressure, growth: SegmentGrowth) -> None:
-        cfg = self._config
+    def _respond(self, level: MemoryPressure, growth: CacheRelease) -> None:
+        cfg = self.config
         if level >= MemoryPressure.CRITICAL and cfg.auto_cleanup_at_critical:
             growth.release_cached(reason="emergency cleanup")
         elif level >= MemoryPressure.HIGH and cfg.auto_release_at_high:

@@ -90,8 +90,8 @@ class ReplayResult:
     device: str
     capacity: int
     events: int
-    allocs: int
-    frees: int
+    num_allocs: int                 # the trace's allocation events replayed
+    num_frees: int                  # ... and its free events
     peak_live_bytes: int
     peak_in_use_bytes: int
     peak_reserved_bytes: int
@@ -127,6 +127,8 @@ class ReplayResult:
 
     hits = DeprecatedName("pool_hits")
     misses = DeprecatedName("pool_misses")
+    allocs = DeprecatedName("num_allocs")
+    frees = DeprecatedName("num_frees")
 
     @property
     def segments(self) -> int:
@@ -144,7 +146,7 @@ class ReplayResult:
         lines = [
             f"replay of {self.trace} on {self.device}"
             + ("" if fb(self.capacity) in self.device else f" ({fb(self.capacity)})"),
-            f"  events          {self.events:,} ({self.allocs:,} allocs, {self.frees:,} frees) "
+            f"  events          {self.events:,} ({self.num_allocs:,} allocs, {self.num_frees:,} frees) "
             f"in {self.duration_s:.3f} s = {self.events_per_second:,.0f} events/s"
             + (f"; driver time on a GPU (modeled) {_fmt_seconds(self.modeled_driver_seconds)}"
                if self.modeled_driver_seconds else ""),
@@ -415,7 +417,7 @@ def replay(trace: Any, device: str | Device = "sim:80GiB",
     peak_reserved = max(peak_reserved, counters["peak_reserved_bytes"])
     return ReplayResult(
         trace=data.name, device=_device_label(dev), capacity=mm.total_memory, events=n,
-        allocs=data.n_allocs, frees=data.n_frees,
+        num_allocs=data.n_allocs, num_frees=data.n_frees,
         peak_live_bytes=peak_live, peak_in_use_bytes=counters["peak_in_use_bytes"],
         peak_reserved_bytes=peak_reserved,
         reserved_live_ratio=(peak_reserved / peak_live) if peak_live else 0.0,

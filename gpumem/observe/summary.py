@@ -23,7 +23,7 @@ from gpumem.stats import StatsDict
 from gpumem.units import format_bytes
 
 if TYPE_CHECKING:
-    from gpumem.manager.memory_manager import MemoryManager
+    from gpumem.manager.interfaces import SummarySource
 
 __all__ = ["memory_summary", "summary_data", "format_summary", "SummaryData"]
 
@@ -71,7 +71,7 @@ def _segments_by_class(segments: list[dict]) -> list[dict]:
     return [rows[k] for k in sorted(rows)]
 
 
-def summary_data(manager: MemoryManager, *, top_tags: int = 5) -> SummaryData:
+def summary_data(manager: SummarySource, *, top_tags: int = 5) -> SummaryData:
     """The figures of :func:`memory_summary` as a plain dict."""
     if isinstance(top_tags, bool) or not isinstance(top_tags, int) or top_tags < 0:
         raise InvalidInputError(f"top_tags must be an int >= 0, got {top_tags!r}")
@@ -100,7 +100,7 @@ def summary_data(manager: MemoryManager, *, top_tags: int = 5) -> SummaryData:
         "reserved_bytes": st.reserved_bytes, "peak_reserved_bytes": st.peak_reserved_bytes,
         "in_use_bytes": st.in_use_bytes, "peak_in_use_bytes": st.peak_in_use_bytes,
         "requested_bytes": st.requested_bytes, "cached_bytes": st.cached_bytes,
-        "pending_free_bytes": st.pending_free_bytes,
+        "pending_free_bytes": st.pending_free_bytes, "held_bytes": st.held_bytes,
         "largest_free_block": st.largest_free_block,
         "fragmentation_ratio": st.fragmentation_ratio(), "active_buffers": st.active_buffers,
         "num_allocs": st.num_allocs, "num_frees": st.num_frees, "pool_hits": st.pool_hits,
@@ -137,6 +137,9 @@ def format_summary(d: dict[str, Any]) -> str:
     ]
     if d["pending_free_bytes"]:
         lines.append(f"{'waiting for streams':<26}{fb(d['pending_free_bytes']):>16}")
+    if d.get("held_bytes"):
+        # counted in reserved: the driver refused to free these pages, retried on each trim
+        lines.append(f"{'held (free refused)':<26}{fb(d['held_bytes']):>16}")
     lines += [
         f"{'CPU fallbacks':<26}{d['cpu_fallbacks']:>16,d}   {fb(d['fallback_bytes'])} live "
         f"in host memory",
@@ -171,6 +174,6 @@ def format_summary(d: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def memory_summary(manager: MemoryManager, *, top_tags: int = 5) -> str:
+def memory_summary(manager: SummarySource, *, top_tags: int = 5) -> str:
     """The table for ``manager`` (see the module docstring)."""
     return format_summary(summary_data(manager, top_tags=top_tags))

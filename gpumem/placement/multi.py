@@ -36,6 +36,7 @@ from gpumem.config import MemoryConfig
 from gpumem.errors import (ClosedManagerError, ForeignBufferError, InvalidDeviceError,
                            InvalidInputError)
 from gpumem.manager.fallback import FallbackBuffer
+from gpumem.manager.live_config import check_live_change
 from gpumem.manager.memory_manager import MemoryManager
 from gpumem.stats import MemoryStats
 
@@ -151,15 +152,16 @@ class MultiDeviceManager(PlacementCore):
         """Recompute the open managers (after a manager was found closed)."""
         active = tuple(m for m in self._managers if not m.closed)
         self._active = active
-        self._counters = tuple((m, m.pool, m.usable_memory) for m in active)
+        # usable memory is read at each placement: a manager may be reconfigured meanwhile
+        self._counters = tuple((m, m.pool) for m in active)
         self._fast = self._policy == "most_free" and bool(active) and not self._closed
         self._set_fast_path(active if self._fast else None)
 
     def _most_free(self, nbytes: int) -> MemoryManager:
         best = None
         best_free = -1
-        for mgr, pool, usable in self._counters:
-            free = usable - pool.in_use_bytes
+        for mgr, pool in self._counters:
+            free = mgr.usable_memory - pool.in_use_bytes
             if free > best_free:
                 best, best_free = mgr, free
         if best is None:
@@ -318,6 +320,19 @@ class MultiDeviceManager(PlacementCore):
     def empty_cache(self) -> int:
         """``empty_cache()`` on every open manager; the bytes released in all."""
         return sum(m.empty_cache() for m in self._managers if not m.closed)
+
+    def reconfigure(self, **changes: Any) -> None:
+        """``reconfigure(**changes)`` on every open manager (MemoryManager.reconfigure), all or
+        none: every manager's new config is checked before any changes, so a field one of them
+        refuses (a segment size, an invalid value) raises InvalidInputError and changes
+        nothing."""
+        active = [m for m in self._managers if not m.closed]
+        if not active:
+            raise self._all_closed()
+        for m in active:
+            check_live_change(m.config, m.config.replace(**changes))
+        for m in active:
+            m.reconfigure(**changes)
 
     # --- lifetime ---------------------------------------------------------------------------------
     @property

@@ -26,17 +26,35 @@ import logging
 import os
 import threading
 import weakref
-from typing import TYPE_CHECKING, Hashable
+from typing import TYPE_CHECKING, Hashable, Protocol
 
 from gpumem.backends.base import DeviceKind
 
 if TYPE_CHECKING:
+    from gpumem._core.pool import CachingPool
     from gpumem.backends import Device
-    from gpumem.manager.memory_manager import MemoryManager
 
-__all__ = ["register", "peers_of", "release_peer_caches"]
+__all__ = ["Peer", "register", "peers_of", "release_peer_caches"]
 
 log = logging.getLogger("gpumem")
+
+
+
+class Peer(Protocol):
+    """What the registry calls of a manager (MemoryManager implements it): this module sits
+    below the manager and never imports it."""
+
+    @property
+    def device(self) -> Device: ...
+    @property
+    def device_string(self) -> str: ...
+    @property
+    def closed(self) -> bool: ...
+    @property
+    def pool(self) -> CachingPool: ...
+    def release_idle_cache(self, reason: str = "") -> int: ...
+    def _after_fork_in_child(self) -> None: ...
+
 
 _lock = threading.Lock()
 _peers: dict[Hashable, list[weakref.ref]] = {}
@@ -51,7 +69,7 @@ def _device_key(device: Device) -> Hashable:
     return device.device_string
 
 
-def register(manager: MemoryManager) -> None:
+def register(manager: Peer) -> None:
     """Called once by every MemoryManager as it is created."""
     key = _device_key(manager.device)
     ref = weakref.ref(manager)
@@ -64,7 +82,7 @@ def register(manager: MemoryManager) -> None:
             del _peers[k]
 
 
-def peers_of(manager: MemoryManager) -> list[MemoryManager]:
+def peers_of(manager: Peer) -> list[Peer]:
     """The other open managers of this process on ``manager``'s device, oldest first."""
     key = _device_key(manager.device)
     with _lock:
@@ -72,7 +90,7 @@ def peers_of(manager: MemoryManager) -> list[MemoryManager]:
     return [m for m in live if m is not None and m is not manager and not m.closed]
 
 
-def release_peer_caches(manager: MemoryManager) -> int:
+def release_peer_caches(manager: Peer) -> int:
     """Ask every peer of ``manager`` (:func:`peers_of`) whose slow path is free to release its
     wholly free cached segments; the bytes they gave back to the driver."""
     released = 0

@@ -6,6 +6,7 @@ its own::
 
     mm = gpumem.get_manager()              # the default device's shared manager
     gpumem.configure("cuda:0", gpu_memory_fraction=0.8)   # replace it (like rmm.reinitialize)
+    gpumem.get_manager("cuda:0").reconfigure(gpu_memory_fraction=0.8)   # or change it in place
 
 Managers built directly with ``MemoryManager(...)`` are not shared and keep working as before;
 all managers on one device still help each other when one runs out of memory (gpumem.placement.peers).
@@ -108,7 +109,8 @@ def configure(device: str | None = None, config: MemoryConfig | None = None, *,
             if live:
                 raise InvalidInputError(
                     f"configure({key!r}): the shared manager still has {live} live buffer(s); "
-                    f"free them first, or pass force=True to invalidate them")
+                    f"free them first, or pass force=True to invalidate them (a setting a live "
+                    f"manager can change: get_manager({key!r}).reconfigure(...) keeps them)")
         mgr = MemoryManager(key, cfg)       # made before the old one closes: a failure keeps it
         _shared[key] = mgr
         _fast.clear()                       # other spellings (and None) are looked up again

@@ -21,6 +21,7 @@ import numpy as np
 
 from gpumem.errors import InvalidInputError, OutOfMemoryError
 from gpumem.planning.torch_model import TorchAllocatorModel
+from gpumem.stats import DeprecatedName, StatsDict, deprecated_names
 from gpumem.units import format_bytes
 
 __all__ = ["replay_torch_model", "TorchReplayResult"]
@@ -34,8 +35,8 @@ class TorchReplayResult:
     capacity: int
     conf: str
     events: int
-    allocs: int
-    frees: int
+    num_allocs: int                 # the trace's allocation events replayed
+    num_frees: int                  # ... and its free events
     #: requested bytes live at once (what the program asked for)
     peak_live_bytes: int
     #: bytes of the blocks handed out (after torch's rounding)
@@ -58,6 +59,9 @@ class TorchReplayResult:
     #: ``{"live", "reserved", "t_ns"}`` int64 arrays after each event, with ``record_series``
     series: dict[str, np.ndarray] | None = field(default=None, repr=False)
 
+    allocs = DeprecatedName("num_allocs")
+    frees = DeprecatedName("num_frees")
+
     @property
     def device(self) -> str:
         return f"torch model ({format_bytes(self.capacity)})"
@@ -66,8 +70,9 @@ class TorchReplayResult:
     def events_per_second(self) -> float:
         return self.events / self.duration_s if self.duration_s > 0 else 0.0
 
-    def as_dict(self) -> dict[str, Any]:
-        d = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "series"}
+    def as_dict(self) -> StatsDict:
+        d = TorchReplayResultDict({k: getattr(self, k) for k in self.__dataclass_fields__
+                                   if k != "series"})
         d["driver_call_counts"] = dict(self.driver_call_counts)
         d["series_length"] = 0 if self.series is None else int(len(self.series["live"]))
         return d
@@ -79,7 +84,7 @@ class TorchReplayResult:
             f"{fb(self.capacity)}, PYTORCH_CUDA_ALLOC_CONF={self.conf!r}"
             + ("" if self.memory_fraction is None else
                f", memory fraction {self.memory_fraction:g}"),
-            f"  events          {self.events:,} ({self.allocs:,} allocs, {self.frees:,} frees) "
+            f"  events          {self.events:,} ({self.num_allocs:,} allocs, {self.num_frees:,} frees) "
             f"in {self.duration_s:.3f} s",
             f"  peak live       {fb(self.peak_live_bytes)} requested "
             f"({fb(self.peak_allocated_bytes)} after rounding)",
@@ -95,6 +100,11 @@ class TorchReplayResult:
             lines.append(f"  OUT OF MEMORY   {self.num_ooms:,} request(s) failed "
                          f"({fb(self.failed_bytes)}); their frees were skipped")
         return "\n".join(lines)
+
+
+class TorchReplayResultDict(StatsDict):
+    what = "TorchReplayResult.as_dict()"
+    renamed = deprecated_names(TorchReplayResult)
 
 
 def _load(trace: Any, phase: Any) -> Any:
@@ -177,7 +187,7 @@ def replay_torch_model(trace: Any, *, capacity: int | str, conf: str = "",
     peak = model.peak_reserved_bytes
     return TorchReplayResult(
         trace=data.name, capacity=model.capacity, conf=model.conf.text, events=n,
-        allocs=data.n_allocs, frees=data.n_frees, peak_live_bytes=peak_live,
+        num_allocs=data.n_allocs, num_frees=data.n_frees, peak_live_bytes=peak_live,
         peak_allocated_bytes=model.peak_allocated_bytes, peak_reserved_bytes=peak,
         reserved_live_ratio=peak / peak_live if peak_live else 0.0, num_ooms=num_ooms,
         failed_bytes=failed, skipped_frees=skipped, num_alloc_retries=model.num_alloc_retries,

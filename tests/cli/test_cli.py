@@ -98,6 +98,10 @@ def test_replay_demo_and_outputs(capsys, tmp_path):
     assert "reserved/live" in out and "hit rate" in out
     d = json.loads((tmp_path / "r.json").read_text())
     assert d["num_ooms"] == 0 and d["reserved_live_ratio"] >= 1.0
+    # the statistics vocabulary's names (docs/statistics.md), not the old allocs/frees
+    assert d["num_allocs"] > 0 and d["num_frees"] > 0
+    assert d["num_allocs"] + d["num_frees"] == d["events"]
+    assert "allocs" not in d and "frees" not in d
 
 
 def test_replay_expandable_segments_default_and_off(capsys, tmp_path):

@@ -136,7 +136,7 @@ def test_replay_demo_trace():
     data = read_trace(DEMO)
     res = replay(data)
     assert isinstance(res, ReplayResult)
-    assert res.events == len(data) and res.allocs == data.n_allocs
+    assert res.events == len(data) and res.num_allocs == data.n_allocs
     assert res.peak_live_bytes == data.peak_live_bytes
     assert res.peak_reserved_bytes >= res.peak_in_use_bytes >= res.peak_live_bytes
     assert res.reserved_live_ratio == pytest.approx(res.peak_reserved_bytes /
