@@ -18,7 +18,7 @@ python -m pytest -n auto tests "$@"
 # segments every device without virtual memory uses; tests of plain-segment mechanics pin them
 # off in both passes. The sim backend is the one that models virtual memory.
 printf '\n=== sim with expandable segments off ===\n'
-GPUMEM_TEST_EXPANDABLE_SEGMENTS=0 GPUMEM_EXPANDABLE_SEGMENTS=0 GPUMEM_TEST_BACKENDS=sim \
+GPUMEM_TEST_SEGMENTS=plain GPUMEM_TEST_BACKENDS=sim \
     python -m pytest -n auto tests "$@"
 
 if python -c "from gpumem.backends.cuda import BACKEND as b; import sys; \
@@ -30,7 +30,7 @@ if python -c "from gpumem.backends.cuda import BACKEND as b; import sys; \
             GPUMEM_TEST_BACKENDS=cuda python -m pytest -n auto tests "$@"
         printf '\n=== the same with expandable segments off (cuMemAlloc segments) ===\n'
         LD_LIBRARY_PATH="$fake_dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
-            GPUMEM_TEST_EXPANDABLE_SEGMENTS=0 GPUMEM_EXPANDABLE_SEGMENTS=0 GPUMEM_TEST_BACKENDS=cuda \
+            GPUMEM_TEST_SEGMENTS=plain GPUMEM_TEST_BACKENDS=cuda \
             python -m pytest -n auto tests "$@"
     else
         echo "skipped the cuda run on the fake driver: it could not be built (see above)"

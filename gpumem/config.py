@@ -202,14 +202,13 @@ class MemoryConfig:
                                            if implied else "") + "; set only segments")
             return "plain", 0
         if implied is not None:
-            if seg not in ("auto", implied):
+            if seg not in ("auto", "plain", implied):   # a size or True says expandable
                 raise InvalidInputError(
                     f"expandable_handle_size={handle!r} means segments={implied!r}, which "
                     f"contradicts segments={seg!r}; set only segments")
             return implied, (handle if implied == "tight" else 0)
         if seg == "plain" and on is True:
-            raise InvalidInputError("segments='plain' contradicts expandable_segments=True; "
-                                    "set only segments")
+            return "auto", 0                # the older setting, set explicitly, says expandable
         return seg, 0
 
     @property

@@ -44,7 +44,7 @@ def vm(request) -> Any:
     # a handle size names the policy (0: tight, one page; "growth": fast); None: auto
     handle_size = marker.args[0] if marker else 0
     if request.param == "sim":
-        dev, mm = sim_manager("1GiB", back_memory=True, expandable_segments=True,
+        dev, mm = sim_manager("1GiB", back_memory=True, segments="auto", expandable_segments=True,
                               expandable_handle_size=handle_size)
         leaks = lambda: (dev.live_page_handles, dev.live_mappings, dev.live_reservations)  # noqa
     else:

@@ -40,7 +40,6 @@ def test_the_older_settings_still_name_a_policy(settings, policy, handle):
 
 @pytest.mark.parametrize("settings, named", [
     ({"segments": "fast", "expandable_segments": False}, "expandable_segments=False"),
-    ({"segments": "plain", "expandable_segments": True}, "expandable_segments=True"),
     ({"segments": "fast", "expandable_handle_size": 0}, "expandable_handle_size=0"),
     ({"segments": "tight", "expandable_handle_size": "growth"}, "expandable_handle_size='growth'"),
     ({"segments": "quick"}, "segments must be one of auto, tight, fast, plain"),
