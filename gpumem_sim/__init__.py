@@ -30,6 +30,7 @@ from gpumem_sim.device import (
     SIM_ERROR_OUT_OF_MEMORY,
     SimCall,
     SimDevice,
+    SharedCard,
     SimSegment,
 )
 from gpumem_sim.driver_costs import (CALLS, CUDA_DRIVER_COSTS, CUDA_DRIVER_COSTS_A100,
@@ -48,7 +49,7 @@ from gpumem_sim.registry import (
 )
 
 __all__ = [
-    "SimDevice", "SimCall", "SimSegment", "PrivateSimDevice",
+    "SimDevice", "SimCall", "SimSegment", "SharedCard", "PrivateSimDevice",
     "install", "installed", "uninstall", "using", "devices_from_env", "demo_device",
     "nothing_installed",
     "ENV_VAR", "DEFAULT_CAPACITY", "MAX_CAPACITY", "MAX_ALIGNMENT", "CALL_LOG_LIMIT",

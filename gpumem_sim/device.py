@@ -36,7 +36,7 @@ import mmap
 import random
 import threading
 from collections import deque
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 from gpumem.backends.base import Device, DeviceKind, DeviceProperties
 from gpumem.errors import DriverError, DriverOutOfMemory, InvalidInputError
@@ -66,6 +66,19 @@ MAX_ALIGNMENT = 1 << 30
 #: How many entries :attr:`SimDevice.calls` keeps (the oldest are dropped), so long replays do
 #: not grow the log without bound.
 CALL_LOG_LIMIT = 100_000
+
+
+class SharedCard(Protocol):
+    """One simulated card shared by devices in several processes (see SimDevice.share_card)."""
+
+    def others(self) -> int:
+        """Bytes the card's other users hold now."""
+        ...
+
+    def charge(self, delta: int) -> bool:
+        """Record that this user takes (delta > 0) or gives back (< 0) bytes; False (nothing
+        recorded) when taking them would pass the card's capacity."""
+        ...
 
 
 class SimSegment(NamedTuple):
@@ -106,6 +119,9 @@ class SimDevice(SimStreams, VirtualMemory, ModeledDriverTime, Device):
       items on a stream, :meth:`complete` finishes them, :meth:`stream_idle` reports whether any
       remain (:mod:`gpumem_sim.streams`). Copies are synchronous and never advance these
       queues: tests drive them.
+    - Shared card (:meth:`share_card`): the devices of several processes may be one card; the
+      bytes the others hold count as taken (``mem_get_info``, ``alloc_segment``). Without a
+      shared card nothing outside this object is read, so a device stays deterministic.
     - Fault injection: see the module docstring (``fail_after``, ``fail_rate`` with ``seed``,
       ``fail_free``, ``fail_kind``).
     - Counters (``alloc_calls``, ``free_calls``, ``failed_allocs``, ``injected_failures``,
@@ -170,6 +186,7 @@ class SimDevice(SimStreams, VirtualMemory, ModeledDriverTime, Device):
         self._next_handle = 1
         self._other = other
         self._live_bytes = 0
+        self._card: SharedCard | None = None
 
         self._seed = seed_v
         self._rng = random.Random(seed_v)
@@ -333,6 +350,39 @@ class SimDevice(SimStreams, VirtualMemory, ModeledDriverTime, Device):
                     f"{self._capacity} minus {self._live_bytes} bytes in live segments leaves {room}")
             self._other = n
 
+    def share_card(self, card: "SharedCard") -> None:
+        """From now on this device is one of several (in several processes) that share one card
+        of its capacity: ``card.others()`` bytes held by the others count as taken, and each
+        byte this device takes or gives back is charged to ``card`` (``card.charge(n)`` returns
+        False when the card has no room; the allocation then fails as out of memory). Only a
+        device that holds nothing yet can join a card; InvalidInputError otherwise."""
+        with self._lock:
+            if self._card is not None:
+                raise InvalidInputError(f"{self.device_string} already shares a card")
+            if self._live_bytes:
+                raise InvalidInputError(
+                    f"{self.device_string} holds {self._live_bytes} bytes; only a device that "
+                    f"holds nothing can join a shared card")
+            self._card = card
+
+    def unshare_card(self) -> "SharedCard | None":
+        """Leave the shared card (only once this device holds nothing: the card's bytes stay
+        charged otherwise); the card, or None when it shared none or still holds bytes."""
+        with self._lock:
+            card = self._card
+            if card is None or self._live_bytes:
+                return None
+            self._card = None
+            return card
+
+    @property
+    def shared_card(self) -> "SharedCard | None":
+        return self._card
+
+    def _card_others(self) -> int:
+        """Bytes the card's other users hold (0 without a shared card). Lock held."""
+        return 0 if self._card is None else self._card.others()
+
     # --- Device protocol: queries ------------------------------------------------------------
     def properties(self) -> DeviceProperties:
         return DeviceProperties(
@@ -346,7 +396,8 @@ class SimDevice(SimStreams, VirtualMemory, ModeledDriverTime, Device):
             self.mem_get_info_calls += 1
             if self._meter is not None:
                 self._meter.charge("mem_get_info")
-            return self._capacity - self._other - self._live_bytes, self._capacity
+            free = self._capacity - self._other - self._live_bytes - self._card_others()
+            return max(free, 0), self._capacity
 
     # --- Device protocol: segments -----------------------------------------------------------
     def alloc_segment(self, nbytes: int) -> tuple[int, int]:
@@ -375,8 +426,11 @@ class SimDevice(SimStreams, VirtualMemory, ModeledDriverTime, Device):
                 exc.injected = True  # type: ignore[attr-defined]
                 raise exc
 
-            free = self._capacity - self._other - self._live_bytes
+            free = self._capacity - self._other - self._live_bytes - self._card_others()
             offset = self._ranges.alloc(reserved) if reserved <= free else None
+            if offset is not None and self._card is not None and not self._card.charge(reserved):
+                self._ranges.free(offset, reserved)      # another process took it meanwhile
+                offset, free = None, 0
             if offset is None:
                 self.failed_allocs += 1
                 self._record(SimCall("alloc", n, None, "oom"))
@@ -398,6 +452,8 @@ class SimDevice(SimStreams, VirtualMemory, ModeledDriverTime, Device):
                     store = mmap.mmap(-1, reserved, **_MMAP_KW)
                 except (OSError, ValueError, OverflowError) as e:
                     self._ranges.free(offset, reserved)
+                    if self._card is not None:
+                        self._card.charge(-reserved)
                     self.failed_allocs += 1
                     self._record(SimCall("alloc", n, None, "oom"))
                     oom = DriverOutOfMemory(
@@ -436,6 +492,8 @@ class SimDevice(SimStreams, VirtualMemory, ModeledDriverTime, Device):
             del self._segments[h]
             self._ranges.free(seg.offset, seg.reserved)
             self._live_bytes -= seg.reserved
+            if self._card is not None:
+                self._card.charge(-seg.reserved)
             if seg.store is not None:
                 seg.store.close()
                 seg.store = None
