@@ -167,6 +167,7 @@ class SharedBudget:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         try:
             sock.bind(path)
+            sock.settimeout(_WATCH_TIMEOUT)
         except OSError as exc:
             sock.close()
             raise SharedLedgerError(f"cannot make the wake-up socket {path} of shared group "
@@ -212,8 +213,14 @@ class SharedBudget:
             return device_fits
         need = reserved + seg_size
         with self._ledger.locked() as ledger:
-            if device_fits and (self._claim(ledger, need)
-                                or (ledger.reap() and self._claim(ledger, need))):
+            if device_fits and self._claim(ledger, need):
+                return True
+            reaped = ledger.reap()                # a dead member's share is free at once
+        if reaped and not device_fits:            # (never read the device under the lock:
+            free = device_free()                  # a shared sim card takes it too)
+            device_fits = free - seg_size >= min_free
+        with self._ledger.locked() as ledger:
+            if device_fits and self._claim(ledger, need):
                 return True
             if not self.hand_back:
                 return False
@@ -385,7 +392,6 @@ def group_members(ledger: Ledger) -> list[GroupMember]:
 def _watch(member: SharedBudget, sock: socket.socket) -> None:
     """The watcher of one member: sleeps in recv (no GIL held), answers requests, ends when the
     member left, or leaves for it once its manager is gone without close()."""
-    sock.settimeout(_WATCH_TIMEOUT)
     while True:
         try:
             sock.recv(16)
