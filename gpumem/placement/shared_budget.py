@@ -21,14 +21,17 @@ ledger's lock while waiting for it. ``leave`` may be called from any thread.
 """
 from __future__ import annotations
 
+import collections
+import contextlib
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol
 
 from gpumem.backends.base import DeviceKind
 from gpumem.placement.ledger import (MEMBER, Ledger, SharedLedgerError, ledger_folder,
@@ -52,6 +55,8 @@ log = logging.getLogger("gpumem")
 REPLY_WAIT = 0.1
 #: how long the watcher waits for its manager's slow-path lock before answering "busy"
 ANSWER_LOCK_WAIT = 0.05
+#: the interpreter's switch interval while a watcher answers (see _quick_switches)
+ANSWER_SWITCH_INTERVAL = 1e-4
 #: how often the polling requester looks at the ledger while it waits
 _POLL = 0.0005
 #: the watcher wakes at least this often (to notice that its manager is gone)
@@ -122,8 +127,10 @@ class SharedBudget:
         self._token = int.from_bytes(os.urandom(8), "little")
         self._asked: dict[int, int] = {}           # slot -> token asked during this miss
         self._closed = False
-        self.requests_sent = 0
-        self.requests_answered = 0
+        self.requests_sent = 0                     # release requests this member wrote
+        self.requests_answered = 0                 # requests of the others it answered
+        #: seconds from each round of requests to its last answer (or the end of the wait)
+        self.reply_seconds: collections.deque[float] = collections.deque(maxlen=1000)
         self._ledger = Ledger(self.path)
         self._sock: socket.socket | None = None
         self._card: SimCard | None = None
@@ -228,8 +235,9 @@ class SharedBudget:
             asked = self._request(ledger, need, short)
         if not asked:
             return False
+        start = time.monotonic()
         self._wake(asked)
-        self._wait(asked, need if device_fits else None)
+        self._wait(asked, need if device_fits else None, start)
         if not device_fits and device_free() - seg_size < min_free:
             return False
         with self._ledger.locked() as ledger:
@@ -275,13 +283,20 @@ class SharedBudget:
                 except OSError:
                     pass        # gone (reaped later), or its queue is full: it has a wake-up
 
-    def _wait(self, asked: list[tuple[int, int, int, int]], need: int | None) -> None:
+    def _wait(self, asked: list[tuple[int, int, int, int]], need: int | None,
+              start: float) -> None:
         """Until every asked member answered (or left), the budget has room for ``need`` (None:
         the device's free memory is what lacks, so wait for the answers), or
         REPLY_WAIT passed. Requests to this member meanwhile are answered "busy" at once (it
         holds its own slow-path lock), so two members that ask each other never wait on each
         other."""
-        deadline = time.monotonic() + REPLY_WAIT
+        try:
+            self._poll(asked, need, start + REPLY_WAIT)
+        finally:
+            self.reply_seconds.append(time.monotonic() - start)
+
+    def _poll(self, asked: list[tuple[int, int, int, int]], need: int | None,
+              deadline: float) -> None:
         waiting = {index: (token, seq) for index, _, token, seq in asked}
         while waiting and time.monotonic() < deadline:
             time.sleep(_POLL)
@@ -324,18 +339,19 @@ class SharedBudget:
             seq, want = mine.request_seq, mine.request_bytes
         released = 0
         releaser = self._releaser()
-        if releaser is not None and releaser.lock.acquire(timeout=ANSWER_LOCK_WAIT):
-            try:
-                released = releaser.release_cached(max(want, 1),
-                                                   reason="a shared-budget member asked")
-            finally:
-                releaser.lock.release()
-        self.sync()
-        with self._ledger.locked() as ledger:
-            mine = ledger.slot(self._index)
-            mine.answered_seq = max(mine.answered_seq, seq)
-            mine.released += released
-            ledger.write(mine)
+        with _quick_switches():
+            if releaser is not None and releaser.lock.acquire(timeout=ANSWER_LOCK_WAIT):
+                try:
+                    released = releaser.release_cached(max(want, 1),
+                                                       reason="a shared-budget member asked")
+                finally:
+                    releaser.lock.release()
+            self.sync()
+            with self._ledger.locked() as ledger:
+                mine = ledger.slot(self._index)
+                mine.answered_seq = max(mine.answered_seq, seq)
+                mine.released += released
+                ledger.write(mine)
         self.requests_answered += 1
         return released
 
@@ -378,6 +394,34 @@ class SharedBudget:
                 pass
             sock.close()
         self._ledger.close()
+
+
+_switch_lock = threading.Lock()
+_switch_users = 0
+_switch_saved = 0.0
+
+
+@contextlib.contextmanager
+def _quick_switches() -> Iterator[None]:
+    """While a watcher answers, the interpreter's switch interval is ANSWER_SWITCH_INTERVAL:
+    each time the answer drops the GIL (a driver call, a lock) a thread spinning in Python gets
+    it, and would keep it a whole interval (5 ms by default) before the watcher could go on.
+    The first of several answering watchers saves the interval, the last restores it (unless
+    someone else changed it meanwhile)."""
+    global _switch_users, _switch_saved
+    with _switch_lock:
+        if _switch_users == 0:
+            _switch_saved = sys.getswitchinterval()
+            sys.setswitchinterval(min(_switch_saved, ANSWER_SWITCH_INTERVAL))
+        _switch_users += 1
+    try:
+        yield
+    finally:
+        with _switch_lock:
+            _switch_users -= 1
+            if _switch_users == 0 and sys.getswitchinterval() == min(_switch_saved,
+                                                                     ANSWER_SWITCH_INTERVAL):
+                sys.setswitchinterval(_switch_saved)
 
 
 def group_members(ledger: Ledger) -> list[GroupMember]:

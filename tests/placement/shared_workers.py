@@ -55,15 +55,20 @@ def alternating_peaks(index: int, count: int, card: str, group: str, hand_back: 
 
 
 def hold_and_spin(card: str, group: str, nbytes: int, cached: bool, ready, stop,
-                  shared_dir: str, budget: object = 1.0) -> None:
-    """Take ``nbytes`` (free them into the cache if ``cached``), say so on ``ready``, then spin
-    in a pure-Python loop (the GIL held but for the interpreter's switches) until ``stop``."""
+                  shared_dir: str, budget: object = 1.0, chunk: int = 0) -> None:
+    """Take ``nbytes`` (in segments of ``chunk`` bytes each if given: plain segments), free them
+    into the cache if ``cached``, say so on ``ready``, then spin in a pure-Python loop (the GIL
+    held but for the interpreter's switches) until ``stop``."""
     os.environ["GPUMEM_SHARED_DIR"] = shared_dir
     from gpumem import MemoryManager
-    mm = MemoryManager(card, shared_config(group, budget=budget))
-    buf = mm.malloc(nbytes)
+    cfg = shared_config(group, budget=budget)
+    if chunk:
+        cfg = cfg.replace(expandable_segments=False)
+    mm = MemoryManager(card, cfg)
+    bufs = [mm.malloc(chunk) for _ in range(nbytes // chunk)] if chunk else [mm.malloc(nbytes)]
     if cached:
-        buf.free()
+        for buf in bufs:
+            buf.free()
     ready.set()
     deadline = time.monotonic() + TIMEOUT
     n = 0
