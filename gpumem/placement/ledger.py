@@ -142,11 +142,12 @@ def _check_folder(path: str) -> None:
                                 f"others (0700)")
 
 
-def ledger_folder() -> str:
+def ledger_folder(create: bool = True) -> str:
     """The per-user folder of the ledgers, created with mode 0700 and checked: it must be this
     user's and closed to group and others. ``GPUMEM_SHARED_DIR``, else
     ``$XDG_RUNTIME_DIR/gpumem``, else ``/dev/shm/gpumem-<uid>``, else the temp folder's
-    ``gpumem-<uid>``."""
+    ``gpumem-<uid>``. ``create=False``: a folder that does not exist is not made (the path
+    is returned unchecked)."""
     path = os.environ.get("GPUMEM_SHARED_DIR")
     if not path:
         runtime = os.environ.get("XDG_RUNTIME_DIR")
@@ -156,6 +157,8 @@ def ledger_folder() -> str:
             path = f"/dev/shm/gpumem-{os.getuid()}"
         else:
             path = os.path.join(tempfile.gettempdir(), f"gpumem-{os.getuid()}")
+    if not create and not os.path.lexists(path):
+        return path
     try:
         os.mkdir(path, 0o700)
     except FileExistsError:
@@ -168,7 +171,8 @@ def ledger_folder() -> str:
 
 def ledger_path(group: str, device_key: str) -> str:
     """The ledger file of ``group`` on the device named ``device_key``."""
-    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", device_key)[:64]
+    # no dot in the device part: the group's name ends at the last dot (gpumem groups)
+    safe = re.sub(r"[^A-Za-z0-9_-]", "_", device_key)[:64]
     return os.path.join(ledger_folder(), f"{check_group_name(group)}.{safe}.ledger")
 
 

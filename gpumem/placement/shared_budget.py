@@ -326,6 +326,20 @@ class SharedBudget:
             mine.reserved, mine.cached = reserved, min(cached, reserved)
             ledger.write(mine)
 
+    def refresh(self) -> None:
+        """The watcher's periodic update of the slot's figures (what was freed into the cache
+        since the last miss shows in ``gpumem groups``); skipped while the manager's slow path
+        runs, which may hold a claim that this would overwrite."""
+        releaser = self._releaser()
+        if releaser is None or not self.active or not releaser.lock.acquire(blocking=False):
+            return
+        try:
+            self.sync()
+        except SharedLedgerError as exc:
+            log.warning("gpumem: shared group %r: %s", self.group, exc)
+        finally:
+            releaser.lock.release()
+
     # --- answering ---------------------------------------------------------------------------
     def answer(self) -> int:
         """Answer a pending release request (the watcher calls this): release up to the bytes
@@ -439,8 +453,9 @@ def _watch(member: SharedBudget, sock: socket.socket) -> None:
     while True:
         try:
             sock.recv(16)
+            asked = True
         except socket.timeout:
-            pass
+            asked = False
         except OSError:
             return                                  # closed under us: the member left
         if member._closed:
@@ -449,6 +464,9 @@ def _watch(member: SharedBudget, sock: socket.socket) -> None:
             member.leave()
             return
         try:
-            member.answer()
+            if asked:
+                member.answer()
+            else:
+                member.refresh()
         except SharedLedgerError as exc:
             log.warning("gpumem: shared group %r: %s", member.group, exc)

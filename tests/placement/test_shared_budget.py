@@ -348,3 +348,32 @@ def test_a_held_lock_gives_an_error_not_a_hang(shared_dir, monkeypatch):
     finally:
         os.close(fd)
     assert member_count(shared_dir) == 0
+
+
+# --- gpumem groups / gpumem info ---------------------------------------------------------------
+
+def test_gpumem_groups_shows_members_reserved_cached_and_budget(shared_dir, capsys):
+    """`gpumem groups` (and its JSON) list the group on its device with its budget and each
+    member's reserved and cached bytes; `gpumem info` shows the same lines; a ledger that cannot
+    be trusted is listed with the reason instead of figures."""
+    import json
+
+    from gpumem.cli import main
+    with MemoryManager(CARD, shared_config("report", budget=0.5)) as mm:
+        live = mm.malloc(64 * MiB)
+        mm.malloc(32 * MiB).free()
+        mm._growth.shared.sync()                  # what the watcher does every second
+        assert main(["groups", "--json"]) == 0
+        (group,) = json.loads(capsys.readouterr().out)
+        assert (group["group"], group["budget"], group["total"]) == ("report", 128 * MiB,
+                                                                     256 * MiB)
+        (member,) = group["members"]
+        assert member["pid"] == os.getpid() and member["alive"]
+        assert member["reserved"] >= 96 * MiB and member["cached"] >= 32 * MiB
+        assert main(["info"]) == 0
+        out = capsys.readouterr().out
+        assert "report on sim_256MiB-268435456: budget 128.00 MiB of 256.00 MiB, 1 member" in out
+        live.free()
+    os.chmod(ledger_file(shared_dir), 0o644)
+    assert main(["groups"]) == 0
+    assert "not trusted" in capsys.readouterr().out
