@@ -184,6 +184,8 @@ class MissPath:
                 reason += "; CPU fallback is disabled"
             elif fallback_refused:
                 reason += "; CPU fallback refused by malloc(fallback=False)"
+        if growth.shared is not None and growth.shared.active:
+            reason += "; " + growth.shared.describe()
         cached = reserved - in_use
         largest = pool.largest_free_block()
         fits = nbytes <= usable                  # else how the cache looks is beside the point

@@ -230,6 +230,7 @@ class Ledger:
         try:
             self._check_file()
             with self.locked():
+                self._check_file()                # again: it may have changed meanwhile
                 size = os.fstat(self._fd).st_size
                 if size == 0:                     # new: lay it out while holding the lock
                     os.ftruncate(self._fd, FILE_SIZE)
@@ -383,9 +384,9 @@ class Ledger:
         """Under the lock: free the slots whose process is gone (or whose pid was reused); how
         many."""
         reaped = 0
-        me = os.getpid()
         for s in list(self.slots()):
-            if s.pid != me and not process_alive(s.pid, s.start):
+            # this process's own slots stay (same start time); a reused pid's do not
+            if not process_alive(s.pid, s.start):
                 self.free_slot(s.index)
                 reaped += 1
         return reaped

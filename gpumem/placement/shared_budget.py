@@ -369,6 +369,17 @@ class SharedBudget:
         self.requests_answered += 1
         return released
 
+    def describe(self) -> str:
+        """One line for an out-of-memory message: the group, its budget and what it holds."""
+        try:
+            members = [m for m in self.members() if m.alive]
+        except SharedLedgerError as exc:
+            return f"shared group {self.group!r}: {exc}"
+        return (f"shared group {self.group!r}: budget {format_bytes(self.budget)}, "
+                f"{len(members)} member(s) hold {format_bytes(sum(m.reserved for m in members))}"
+                f" ({format_bytes(sum(m.cached for m in members))} cached)"
+                f"{'' if self.hand_back else ', hand-back off'}")
+
     # --- figures -----------------------------------------------------------------------------
     def members(self) -> list[GroupMember]:
         """Every member in the ledger now (this one included)."""

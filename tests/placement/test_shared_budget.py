@@ -377,3 +377,28 @@ def test_gpumem_groups_shows_members_reserved_cached_and_budget(shared_dir, caps
     os.chmod(ledger_file(shared_dir), 0o644)
     assert main(["groups"]) == 0
     assert "not trusted" in capsys.readouterr().out
+
+
+def test_a_reused_pid_does_not_keep_a_share(shared_dir):
+    """A slot whose pid is alive but belongs to another process now (its start time differs:
+    the pid was reused) is reaped like a dead one: its 200 MiB claim on a 256 MiB budget does
+    not stop this member's 200 MiB; the out-of-memory message of a real shortfall names the
+    group and its budget."""
+    from gpumem.placement.ledger import process_start_time
+    cfg = shared_config("reuse")
+    with MemoryManager(CARD, cfg) as mm:
+        probe = Ledger(ledger_file(shared_dir))
+        try:
+            with probe.locked() as ledger:
+                slot = ledger.claim(MEMBER, os.getppid(), process_start_time(os.getppid()) + 1,
+                                    42)
+                slot.reserved = 200 * MiB
+                ledger.write(slot)
+            buf = mm.malloc(200 * MiB)
+            assert [m.pid for m in group_members(probe)] == [os.getpid()]
+        finally:
+            probe.close()
+        with pytest.raises(OutOfMemoryError, match=r"shared group 'reuse': budget 256.00 MiB, "
+                                                   r"1 member\(s\) hold"):
+            mm.malloc(100 * MiB)
+        buf.free()
