@@ -380,15 +380,15 @@ class Ledger:
         """Under the lock: slot ``index`` becomes free."""
         self.write(Slot(index, FREE, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0))
 
-    def reap(self) -> int:
-        """Under the lock: free the slots whose process is gone (or whose pid was reused); how
-        many."""
-        reaped = 0
+    def reap(self) -> list[Slot]:
+        """Under the lock: free the slots whose process is gone (or whose pid was reused); the
+        slots as they were."""
+        reaped = []
         for s in list(self.slots()):
             # this process's own slots stay (same start time); a reused pid's do not
             if not process_alive(s.pid, s.start):
                 self.free_slot(s.index)
-                reaped += 1
+                reaped.append(s)
         return reaped
 
     def close(self) -> None:

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol
 
 from gpumem.backends.base import DeviceKind
-from gpumem.placement.ledger import (MEMBER, Ledger, SharedLedgerError, ledger_folder,
+from gpumem.placement.ledger import (MEMBER, Ledger, SharedLedgerError, Slot, ledger_folder,
                                      ledger_path, process_start_time)
 from gpumem.units import format_bytes
 
@@ -134,9 +134,10 @@ class SharedBudget:
         self._ledger = Ledger(self.path)
         self._sock: socket.socket | None = None
         self._card: SimCard | None = None
+        self._index = -1                           # the slot, once claimed
         try:
             with self._ledger.locked() as ledger:
-                ledger.reap()
+                reaped = ledger.reap()
                 budget, known_total = ledger.header()
                 live = [s for s in ledger.slots(MEMBER)]
                 if live and (budget, known_total) != (self.budget, total):
@@ -157,10 +158,17 @@ class SharedBudget:
                 self._index = ledger.claim(MEMBER, self._pid,
                                            process_start_time(self._pid) or 0,
                                            self._token).index
+            self._forget_sockets(reaped)
             self._sock = self._bind()
             if device.kind is DeviceKind.SIMULATED:
                 self._share_card(device, total)
         except BaseException:
+            if self._index >= 0:
+                try:
+                    with self._ledger.locked() as ledger:
+                        ledger.free_slot(self._index)
+                except SharedLedgerError:
+                    pass                            # reaped once this process is gone
             self._abandon()
             raise
         self._watcher = threading.Thread(target=_watch, args=(self, self._sock),
@@ -168,6 +176,15 @@ class SharedBudget:
         self._watcher.start()
         log.debug("%s joined shared group %r (budget %s, ledger %s)", self.device_string,
                   self.group, format_bytes(self.budget), self.path)
+
+    def _forget_sockets(self, reaped: list[Slot]) -> None:
+        """The wake-up sockets of reaped members (their processes are gone)."""
+        for s in reaped:
+            if s.kind == MEMBER:
+                try:
+                    os.unlink(_socket_path(self._folder, s.pid, s.token))
+                except OSError:
+                    pass
 
     def _bind(self) -> socket.socket:
         path = _socket_path(self._folder, self._pid, self._token)
@@ -223,6 +240,7 @@ class SharedBudget:
             if device_fits and self._claim(ledger, need):
                 return True
             reaped = ledger.reap()                # a dead member's share is free at once
+        self._forget_sockets(reaped)
         if reaped and not device_fits:            # (never read the device under the lock:
             free = device_free()                  # a shared sim card takes it too)
             device_fits = free - seg_size >= min_free

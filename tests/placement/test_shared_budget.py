@@ -115,7 +115,8 @@ def test_cached_memory_of_a_spinning_process_is_handed_back(shared_dir):
 def test_sigkilled_member_share_is_free_within_a_second(shared_dir):
     """A member killed with SIGKILL while it holds 200 MiB (live, not cached) of a 256 MiB card:
     its share, in the budget and on the card, is free for the others within 1 s (its slot is
-    reaped by pid and start time; the child is still an unreaped zombie when we ask)."""
+    reaped by pid and start time; the child is still an unreaped zombie when we ask), and its
+    wake-up socket is removed."""
     ctx = spawn()
     ready, stop = ctx.Event(), ctx.Event()
     child = ctx.Process(target=shared_workers.hold_and_spin,
@@ -138,6 +139,7 @@ def test_sigkilled_member_share_is_free_within_a_second(shared_dir):
                     time.sleep(0.01)
             assert time.monotonic() - start < 1.0
             assert [m.pid for m in mm._growth.shared.members()] == [os.getpid()]
+            assert not [n for n in os.listdir(shared_dir) if n.startswith(f"w{child.pid}-")]
             buf.free()
     finally:
         child.join(JOIN)
