@@ -442,6 +442,7 @@ class SharedBudget:
 _switch_lock = threading.Lock()
 _switch_users = 0
 _switch_saved = 0.0
+_switch_quick = 0.0
 
 
 @contextlib.contextmanager
@@ -451,19 +452,19 @@ def _quick_switches() -> Iterator[None]:
     it, and would keep it a whole interval (5 ms by default) before the watcher could go on.
     The first of several answering watchers saves the interval, the last restores it (unless
     someone else changed it meanwhile)."""
-    global _switch_users, _switch_saved
+    global _switch_users, _switch_saved, _switch_quick
     with _switch_lock:
         if _switch_users == 0:
             _switch_saved = sys.getswitchinterval()
             sys.setswitchinterval(min(_switch_saved, ANSWER_SWITCH_INTERVAL))
+            _switch_quick = sys.getswitchinterval()    # as stored (whole microseconds)
         _switch_users += 1
     try:
         yield
     finally:
         with _switch_lock:
             _switch_users -= 1
-            if _switch_users == 0 and sys.getswitchinterval() == min(_switch_saved,
-                                                                     ANSWER_SWITCH_INTERVAL):
+            if _switch_users == 0 and sys.getswitchinterval() == _switch_quick:
                 sys.setswitchinterval(_switch_saved)
 
 

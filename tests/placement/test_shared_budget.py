@@ -404,3 +404,17 @@ def test_a_reused_pid_does_not_keep_a_share(shared_dir):
                                                    r"1 member\(s\) hold"):
             mm.malloc(100 * MiB)
         buf.free()
+
+
+def test_answering_restores_the_switch_interval(shared_dir):
+    """The watcher lowers the interpreter's switch interval only while it answers: after an
+    answer (here two members of one process, one asking the other) it is what it was."""
+    import sys
+    before = sys.getswitchinterval()
+    cfg = shared_config("switch", budget="128MiB")
+    with MemoryManager(CARD, cfg) as a, MemoryManager(CARD, cfg) as b:
+        a.malloc(100 * MiB).free()
+        buf = b.malloc(100 * MiB)                 # a's watcher answers
+        assert a._growth.shared.requests_answered >= 1
+        buf.free()
+    assert sys.getswitchinterval() == before
