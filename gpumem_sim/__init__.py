@@ -30,9 +30,9 @@ from gpumem_sim.device import (
     SIM_ERROR_OUT_OF_MEMORY,
     SimCall,
     SimDevice,
-    SharedCard,
     SimSegment,
 )
+from gpumem_sim.shared_card import SharedCard
 from gpumem_sim.driver_costs import (CALLS, CUDA_DRIVER_COSTS, CUDA_DRIVER_COSTS_A100,
                                      DriverCostModel)
 from gpumem_sim.registry import (

@@ -36,7 +36,7 @@ import mmap
 import random
 import threading
 from collections import deque
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple
 
 from gpumem.backends.base import Device, DeviceKind, DeviceProperties
 from gpumem.errors import DriverError, DriverOutOfMemory, InvalidInputError
@@ -46,6 +46,7 @@ from gpumem_sim._common import (_MMAP_KW, _UNSET, SimCall, _bytes_view, _fail_af
                                 _reserve_window, _size_arg)
 from gpumem_sim._ranges import RangeAllocator
 from gpumem_sim.driver_costs import ModeledDriverTime, make_meter
+from gpumem_sim.shared_card import SharedCardUser
 from gpumem_sim.streams import SimStreams
 from gpumem_sim.vmm import DEFAULT_VM_GRANULARITY, VA_WINDOW_FACTOR, VirtualMemory
 
@@ -66,19 +67,6 @@ MAX_ALIGNMENT = 1 << 30
 #: How many entries :attr:`SimDevice.calls` keeps (the oldest are dropped), so long replays do
 #: not grow the log without bound.
 CALL_LOG_LIMIT = 100_000
-
-
-class SharedCard(Protocol):
-    """One simulated card shared by devices in several processes (see SimDevice.share_card)."""
-
-    def others(self) -> int:
-        """Bytes the card's other users hold now."""
-        ...
-
-    def charge(self, delta: int) -> bool:
-        """Record that this user takes (delta > 0) or gives back (< 0) bytes; False (nothing
-        recorded) when taking them would pass the card's capacity."""
-        ...
 
 
 class SimSegment(NamedTuple):
@@ -103,7 +91,7 @@ class _Segment:
         self.store = store
 
 
-class SimDevice(SimStreams, VirtualMemory, ModeledDriverTime, Device):
+class SimDevice(SimStreams, VirtualMemory, ModeledDriverTime, SharedCardUser, Device):
     """A simulated GPU with ``capacity`` bytes (an int or a string such as ``"16GiB"``).
 
     - Segments are ranges of a private address window starting at :attr:`base_address`; each
@@ -186,7 +174,7 @@ class SimDevice(SimStreams, VirtualMemory, ModeledDriverTime, Device):
         self._next_handle = 1
         self._other = other
         self._live_bytes = 0
-        self._card: SharedCard | None = None
+        self._card = None                    # a SharedCard (gpumem_sim.shared_card)
 
         self._seed = seed_v
         self._rng = random.Random(seed_v)
@@ -349,39 +337,6 @@ class SimDevice(SimStreams, VirtualMemory, ModeledDriverTime, Device):
                     f"other_process_bytes={n} does not fit on {self.device_string}: capacity "
                     f"{self._capacity} minus {self._live_bytes} bytes in live segments leaves {room}")
             self._other = n
-
-    def share_card(self, card: "SharedCard") -> None:
-        """From now on this device is one of several (in several processes) that share one card
-        of its capacity: ``card.others()`` bytes held by the others count as taken, and each
-        byte this device takes or gives back is charged to ``card`` (``card.charge(n)`` returns
-        False when the card has no room; the allocation then fails as out of memory). Only a
-        device that holds nothing yet can join a card; InvalidInputError otherwise."""
-        with self._lock:
-            if self._card is not None:
-                raise InvalidInputError(f"{self.device_string} already shares a card")
-            if self._live_bytes:
-                raise InvalidInputError(
-                    f"{self.device_string} holds {self._live_bytes} bytes; only a device that "
-                    f"holds nothing can join a shared card")
-            self._card = card
-
-    def unshare_card(self) -> "SharedCard | None":
-        """Leave the shared card (only once this device holds nothing: the card's bytes stay
-        charged otherwise); the card, or None when it shared none or still holds bytes."""
-        with self._lock:
-            card = self._card
-            if card is None or self._live_bytes:
-                return None
-            self._card = None
-            return card
-
-    @property
-    def shared_card(self) -> "SharedCard | None":
-        return self._card
-
-    def _card_others(self) -> int:
-        """Bytes the card's other users hold (0 without a shared card). Lock held."""
-        return 0 if self._card is None else self._card.others()
 
     # --- Device protocol: queries ------------------------------------------------------------
     def properties(self) -> DeviceProperties:
