@@ -418,3 +418,38 @@ def test_answering_restores_the_switch_interval(shared_dir):
         assert a._growth.shared.requests_answered >= 1
         buf.free()
     assert sys.getswitchinterval() == before
+
+
+def test_a_stopped_member_delays_a_growth_by_a_bounded_time_only(shared_dir):
+    """A member stopped with SIGSTOP while it caches 200 MiB cannot answer: a growth that needs
+    its cache waits at most REPLY_WAIT (kept at its 100 ms default here) and then fails as out
+    of memory, instead of hanging; once the member runs again (SIGCONT) it hands its cache
+    back."""
+    ctx = spawn()
+    ready, stop = ctx.Event(), ctx.Event()
+    child = ctx.Process(target=shared_workers.hold_and_spin,
+                        args=(CARD, "stopped", 200 * MiB, True, ready, stop, shared_dir))
+    child.start()
+    try:
+        assert ready.wait(JOIN)
+        with MemoryManager(CARD, shared_config("stopped")) as mm:
+            os.kill(child.pid, signal.SIGSTOP)
+            try:
+                start = time.monotonic()
+                with pytest.raises(OutOfMemoryError):
+                    mm.malloc(200 * MiB)
+                assert time.monotonic() - start < 10       # generous: REPLY_WAIT is 0.1 s
+            finally:
+                os.kill(child.pid, signal.SIGCONT)
+            from gpumem.placement import shared_budget
+            old, shared_budget.REPLY_WAIT = shared_budget.REPLY_WAIT, 5.0
+            try:
+                mm.malloc(200 * MiB).free()
+            finally:
+                shared_budget.REPLY_WAIT = old
+    finally:
+        stop.set()
+        child.join(JOIN)
+        if child.is_alive():
+            child.kill()
+            child.join(JOIN)
