@@ -32,7 +32,6 @@ from gpumem_sim.device import (
     SimDevice,
     SimSegment,
 )
-from gpumem_sim.shared_card import SharedCard
 from gpumem_sim.driver_costs import (CALLS, CUDA_DRIVER_COSTS, CUDA_DRIVER_COSTS_A100,
                                      DriverCostModel)
 from gpumem_sim.registry import (
@@ -47,6 +46,7 @@ from gpumem_sim.registry import (
     uninstall,
     using,
 )
+from gpumem_sim.shared_card import SharedCard
 
 __all__ = [
     "SimDevice", "SimCall", "SimSegment", "SharedCard", "PrivateSimDevice",

@@ -35,8 +35,8 @@ if TYPE_CHECKING:
     from gpumem.backends.base import Device
     from gpumem.config import MemoryConfig
     from gpumem.manager.pressure import PressureWatch
-    from gpumem.placement.shared_budget import SharedBudget
     from gpumem.manager.stream_book import StreamBook
+    from gpumem.placement.shared_budget import SharedBudget
 
 __all__ = ["Growth", "SegmentGrowth", "FRAGMENTATION_WARNING"]
 

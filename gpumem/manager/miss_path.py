@@ -129,38 +129,31 @@ class MissPath:
             self.streams.ensure(stream)
             if nbytes > growth.usable_memory:
                 return None                       # can never fit: no driver call, cache kept
-            shared = growth.shared
-            if shared is None:
-                return self._ladder(manager, nbytes, stream, tag)
-            shared.begin_miss()
-            try:
-                return self._ladder(manager, nbytes, stream, tag)
-            finally:
-                shared.sync()                     # the true figures; drops an unused claim
-
-    def _ladder(self, manager: MemoryManager, nbytes: int, stream: int, tag: Any) -> Buffer | None:
-        """malloc_device's rungs, under the slow-path lock."""
-        growth = self.growth
-        buf = growth.alloc_cached(nbytes, stream, tag)
-        if buf is None:
-            buf = growth.alloc_from_idle_streams(nbytes, stream, tag)
-        if buf is None:
-            buf = growth.grow(nbytes, stream, tag)
-        if buf is None and manager.collect_pending_frees(wait=True):
-            # blocks freed after use on other streams: wait for those streams, then retry
-            buf = growth.alloc_cached(nbytes, stream, tag) or growth.grow(nbytes, stream, tag)
-        if buf is None and growth.release_cached(reason="retry after a failed growth"):
-            buf = growth.grow(nbytes, stream, tag)
-        if buf is None and peers.release_peer_caches(manager):
-            buf = growth.grow(nbytes, stream, tag)
-        if buf is None and self.oom_callbacks:
-            for callback in list(self.oom_callbacks):
-                callback(manager, nbytes)
+            shared = growth.shared                # a shared group: others may hand back cache
+            if shared is not None:
+                shared.begin_miss()
             buf = growth.alloc_cached(nbytes, stream, tag)
             if buf is None:
-                growth.release_cached(reason="after OOM callbacks")
+                buf = growth.alloc_from_idle_streams(nbytes, stream, tag)
+            if buf is None:
                 buf = growth.grow(nbytes, stream, tag)
-        return buf
+            if buf is None and manager.collect_pending_frees(wait=True):
+                # blocks freed after use on other streams: wait for those streams, then retry
+                buf = growth.alloc_cached(nbytes, stream, tag) or growth.grow(nbytes, stream, tag)
+            if buf is None and growth.release_cached(reason="retry after a failed growth"):
+                buf = growth.grow(nbytes, stream, tag)
+            if buf is None and peers.release_peer_caches(manager):
+                buf = growth.grow(nbytes, stream, tag)
+            if buf is None and self.oom_callbacks:
+                for callback in list(self.oom_callbacks):
+                    callback(manager, nbytes)
+                buf = growth.alloc_cached(nbytes, stream, tag)
+                if buf is None:
+                    growth.release_cached(reason="after OOM callbacks")
+                    buf = growth.grow(nbytes, stream, tag)
+            if shared is not None:
+                shared.sync()                     # the true figures; drops an unused claim
+            return buf
 
     # --- OOM ------------------------------------------------------------------------------------
     def oom_error(self, nbytes: int, fallback_refused: bool = False) -> OutOfMemoryError:
