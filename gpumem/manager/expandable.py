@@ -579,6 +579,11 @@ class ExpandableSegments:
         later)."""
         return len(self._held)
 
+    @property
+    def held_bytes(self) -> int:
+        """The bytes of those handles (still taken on the device)."""
+        return sum(n for _, n in self._held)
+
     def release(self, handle: int) -> int:
         """A segment without live blocks that the pool detached: unmap and release its
         mappings, free its reservation. Returns the bytes freed. A driver refusal warns: a

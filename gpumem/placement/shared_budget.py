@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from gpumem._core.pool import CachingPool
     from gpumem.backends.base import Device
     from gpumem.config import MemoryConfig
+    from gpumem.manager.expandable import ExpandableSegments
     from gpumem.placement.sim_card import SimCard
 
 __all__ = ["SharedBudget", "GroupMember", "group_members", "REPLY_WAIT",
@@ -69,6 +70,7 @@ class Releaser(Protocol):
 
     lock: _threading.RLock
     pool: CachingPool
+    expandable: ExpandableSegments | None
 
     def release_cached(self, max_bytes: int | None = None, *, reason: str = "",
                        small: bool | None = None) -> int: ...
@@ -337,8 +339,10 @@ class SharedBudget:
         if releaser is None or not self.active:
             return
         pool = releaser.pool
-        reserved = pool.reserved_bytes
-        cached = max(0, reserved - pool.in_use_bytes)
+        cached = max(0, pool.reserved_bytes - pool.in_use_bytes)
+        # pages the driver refused to free are still taken from the device: they count
+        expandable = releaser.expandable
+        reserved = pool.reserved_bytes + (expandable.held_bytes if expandable else 0)
         with self._ledger.locked() as ledger:
             mine = ledger.slot(self._index)
             mine.reserved, mine.cached = reserved, min(cached, reserved)
@@ -376,6 +380,9 @@ class SharedBudget:
                 try:
                     released = releaser.release_cached(max(want, 1),
                                                        reason="a shared-budget member asked")
+                except Exception as exc:  # the request is still answered (with 0 bytes)
+                    log.warning("gpumem: %s: releasing cached memory for shared group %r "
+                                "failed: %r", self.device_string, self.group, exc)
                 finally:
                     releaser.lock.release()
             self.sync()
@@ -498,5 +505,7 @@ def _watch(member: SharedBudget, sock: socket.socket) -> None:
                 member.answer()
             else:
                 member.refresh()
-        except SharedLedgerError as exc:
-            log.warning("gpumem: shared group %r: %s", member.group, exc)
+        except Exception as exc:  # the watcher outlives any one failure (a corrupted ledger,
+            if member._closed:    # the ledger closed by leave() meanwhile)
+                return
+            log.warning("gpumem: shared group %r: %r", member.group, exc)

@@ -472,3 +472,20 @@ def test_budget_and_hand_back_on_every_backend(shared_dir, clean_registry, backe
         assert a._growth.shared.requests_answered >= 1
         assert sum(m.reserved for m in a._growth.shared.members()) <= 256 * MiB
         buf.free()
+
+
+@pytest.mark.filterwarnings("ignore:gpumem. sim.256MiB refused to free:RuntimeWarning")
+def test_a_failing_release_is_answered_and_the_watcher_lives_on(shared_dir):
+    """A member whose driver refuses a release still answers the request (with 0 bytes), the
+    pages it could not free still count in the budget, and its watcher answers the next
+    request once the driver frees again."""
+    cfg = shared_config("refuse", budget="128MiB")
+    with MemoryManager(CARD, cfg) as a, MemoryManager(CARD, cfg) as b:
+        a.malloc(100 * MiB).free()
+        a.device.inject(fail_free=True)
+        with pytest.raises(OutOfMemoryError):
+            b.malloc(100 * MiB)
+        assert a._growth.shared.requests_answered >= 1
+        a.device.clear_faults()
+        b.malloc(100 * MiB).free()                # the same watcher hands it back now
+        assert a._growth.shared._watcher.is_alive()
