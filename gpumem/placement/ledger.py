@@ -11,7 +11,7 @@ died, SIGKILL included, or whose pid was reused, is recognised and reaped.
 
 Nothing in the file is trusted: the folder and the file must belong to this user and be closed
 to group and others, the size, magic and version must match, every number must be within
-bounds; anything else raises :class:`SharedLedgerError` naming the file.
+bounds; anything else raises :class:`~gpumem.errors.SharedLedgerError` naming the file.
 
 Locking: an exclusive ``fcntl.flock`` on the file (the kernel drops it when its holder dies)
 plus a ``threading.Lock`` for the threads of one process sharing one open file; both are taken
@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 from gpumem.config import MAX_BYTES, SHARED_GROUP_NAME
-from gpumem.errors import GpuMemoryError
+from gpumem.errors import SharedLedgerError
 
 __all__ = ["SharedLedgerError", "Ledger", "Slot", "MEMBER", "CARD", "FREE", "SLOT_COUNT",
            "FILE_SIZE", "ledger_folder", "ledger_path", "check_group_name", "process_start_time",
@@ -86,11 +86,6 @@ def _gil_holding_flock() -> Callable[[int, int], None]:
 
 
 _flock = _gil_holding_flock()
-
-
-class SharedLedgerError(GpuMemoryError, ValueError):
-    """A shared-budget ledger that cannot be trusted or used (it names the file and says why),
-    or a shared-budget setting that disagrees with the group's."""
 
 
 @dataclass
