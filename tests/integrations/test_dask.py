@@ -284,6 +284,8 @@ def test_workers_on_one_device_share_a_budget_and_the_report_shows_each_share(cl
 
 
 def test_shared_budget_argument_is_checked_on_the_client():
+    """A bad shared_budget fails at construction, on the client, naming it; a size string
+    becomes bytes."""
     with pytest.raises(InvalidInputError, match=r"shared_budget as a fraction .* got 1.5"):
         gdask.GpumemPlugin(shared_budget=1.5)
     with pytest.raises(InvalidInputError, match="shared_budget"):

@@ -245,6 +245,8 @@ def test_bad_budget_values_name_the_setting(budget, message):
 
 
 def test_bad_environment_budget_names_the_variable():
+    """GPUMEM_SHARED_GROUP / GPUMEM_SHARED_BUDGET: a bad value names the variable; a good one
+    is read as a fraction."""
     with pytest.raises(InvalidInputError, match="GPUMEM_SHARED_BUDGET"):
         MemoryConfig.from_env({"GPUMEM_SHARED_GROUP": "g", "GPUMEM_SHARED_BUDGET": "-5"})
     cfg = MemoryConfig.from_env({"GPUMEM_SHARED_GROUP": "g", "GPUMEM_SHARED_BUDGET": "0.5"})
@@ -293,11 +295,13 @@ def corrupt_and_join(shared_dir: str, corrupt) -> SharedLedgerError:
 
 
 def test_truncated_ledger_is_refused(shared_dir):
+    """A ledger cut short is refused with its size and the size it must have."""
     err = corrupt_and_join(shared_dir, lambda p: os.truncate(p, 100))
     assert f"100 bytes, not {FILE_SIZE}" in str(err)
 
 
 def test_ledger_with_a_bad_magic_is_refused(shared_dir):
+    """A file of the right size that is not a ledger (its magic number) is refused."""
     def corrupt(path):
         with open(path, "r+b") as f:
             f.write(b"NOTALEDG")
@@ -314,6 +318,7 @@ def test_ledger_with_out_of_bounds_numbers_is_refused(shared_dir):
 
 
 def test_group_writable_ledger_is_refused(shared_dir):
+    """A ledger others could write is not trusted."""
     err = corrupt_and_join(shared_dir, lambda p: os.chmod(p, 0o660))
     assert "must be 0600" in str(err)
 
@@ -329,6 +334,7 @@ def test_ledger_of_another_user_is_refused(shared_dir):
 
 
 def test_open_folder_is_refused(shared_dir):
+    """A ledger folder others could enter is not trusted."""
     os.chmod(shared_dir, 0o755)
     with pytest.raises(SharedLedgerError, match=f"{shared_dir} has mode 755"):
         MemoryManager(CARD, shared_config("folder"))
