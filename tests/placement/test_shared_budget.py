@@ -495,3 +495,21 @@ def test_a_failing_release_is_answered_and_the_watcher_lives_on(shared_dir):
         a.device.clear_faults()
         b.malloc(100 * MiB).free()                # the same watcher hands it back now
         assert a._growth.shared._watcher.is_alive()
+
+
+def test_ledger_of_another_version_is_refused(shared_dir):
+    """A ledger written by another layout version is refused, naming both versions."""
+    def corrupt(path):
+        with open(path, "r+b") as f:
+            f.seek(8)
+            f.write(struct.pack("<I", 99))
+    assert "version 99" in str(corrupt_and_join(shared_dir, corrupt))
+
+
+def test_symlinked_ledger_is_refused(shared_dir):
+    """A ledger that is a symlink (to a file the link's owner chose) is not followed."""
+    def corrupt(path):
+        target = path + ".elsewhere"
+        os.rename(path, target)
+        os.symlink(target, path)
+    assert "symlink" in str(corrupt_and_join(shared_dir, corrupt))
