@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -75,13 +76,15 @@ def latency(spinners: int, rounds: int) -> None:
             p.join(30)
             if p.is_alive():
                 p.kill()
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def hitpair(repeats: int) -> None:
     import shared_workers
     from gpumem import MemoryConfig, MemoryManager
 
-    os.environ["GPUMEM_SHARED_DIR"] = tempfile.mkdtemp(prefix="gmsb", dir="/tmp")
+    folder = tempfile.mkdtemp(prefix="gmsb", dir="/tmp")
+    os.environ["GPUMEM_SHARED_DIR"] = folder
     joined = MemoryManager(CARD, shared_workers.shared_config("hit"))
     plain = MemoryManager(CARD, MemoryConfig(min_free_bytes=0, gpu_memory_fraction=1.0,
                                              cpu_fallback_enabled=False,
@@ -111,6 +114,7 @@ def hitpair(repeats: int) -> None:
           f"(quartiles {q[0]:.3f}-{q[2]:.3f})")
     joined.close()
     plain.close()
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def main() -> None:

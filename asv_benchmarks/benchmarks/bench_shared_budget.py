@@ -15,7 +15,8 @@ class SharedBudgetHitPair:
 
         from gpumem import MemoryConfig, MemoryManager
         self._env = os.environ.get("GPUMEM_SHARED_DIR")
-        os.environ["GPUMEM_SHARED_DIR"] = tempfile.mkdtemp(prefix="gmab", dir="/tmp")
+        self._folder = tempfile.mkdtemp(prefix="gmab", dir="/tmp")
+        os.environ["GPUMEM_SHARED_DIR"] = self._folder
         config = MemoryConfig(min_free_bytes=0, gpu_memory_fraction=1.0,
                               cpu_fallback_enabled=False, track_allocations=False)
         if joined:
@@ -25,7 +26,9 @@ class SharedBudgetHitPair:
 
     def teardown(self, joined):
         import os
+        import shutil
         self.mm.close()
+        shutil.rmtree(self._folder, ignore_errors=True)
         if self._env is None:
             os.environ.pop("GPUMEM_SHARED_DIR", None)
         else:

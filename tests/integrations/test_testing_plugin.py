@@ -286,7 +286,7 @@ XDIST_SOURCE = """
 
 
 def test_xdist_workers_share_one_group_and_leaks_are_still_reported(suite, tmp_path,
-                                                                    monkeypatch):
+                                                                    monkeypatch, request):
     """Under pytest-xdist with 4 workers the plug-in's managers join one shared group per
     device (one ledger, one simulated card for every worker); the docs example still passes and
     its planted leak is still reported; --gpumem-shared-budget off leaves each worker alone."""
@@ -295,7 +295,9 @@ def test_xdist_workers_share_one_group_and_leaks_are_still_reported(suite, tmp_p
     import tempfile
     from invariants import require_checkout
     pytest.importorskip("xdist")
+    import shutil
     shared_dir = tempfile.mkdtemp(prefix="gmx", dir="/tmp")
+    request.addfinalizer(lambda: shutil.rmtree(shared_dir, ignore_errors=True))
     monkeypatch.setenv("GPUMEM_SHARED_DIR", shared_dir)
     out = tmp_path / "out"
     out.mkdir()
