@@ -15,8 +15,8 @@ from gpumem.config import MemoryConfig
 from gpumem.errors import (BackendUnavailableError, BufferInUseError, ClosedManagerError,
                            CpuFallbackWarning, DoubleFreeError, DriverError, DriverOutOfMemory,
                            ForeignBufferError, GpuMemoryError, GpumemWarning, InvalidDeviceError,
-                           InvalidInputError, OutOfMemoryError, TraceFormatError,
-                           UnknownSettingWarning, UnsupportedOperationError)
+                           InvalidInputError, OutOfMemoryError, SharedLedgerError,
+                           TraceFormatError, UnknownSettingWarning, UnsupportedOperationError)
 from gpumem.manager.batch import BufferBatch, allocate_batch, warmup
 from gpumem.planning.estimate import (MODEL_PRESETS, MemoryEstimate, estimate_inference_memory,
                              estimate_model)
@@ -46,6 +46,7 @@ __all__ = [
     "DoubleFreeError", "ForeignBufferError", "BufferInUseError", "ClosedManagerError",
     "BackendUnavailableError",
     "DriverError", "DriverOutOfMemory", "TraceFormatError", "UnsupportedOperationError",
+    "SharedLedgerError",
     "GpumemWarning", "CpuFallbackWarning", "UnknownSettingWarning",
 ]
 

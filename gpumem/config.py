@@ -10,6 +10,7 @@ import dataclasses
 import difflib
 import math
 import os
+import re
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -49,6 +50,7 @@ INTERNAL_VARIABLES = frozenset({
     "GPUMEM_TEST_INSTALLED",    # tests: gpumem must be an installed wheel (ci/package.sh)
     "GPUMEM_PACKAGE_PYTHONS",   # ci/package.sh: the interpreters to build wheels for
     "GPUMEM_PACKAGE_KEEP",      # ci/package.sh: keep its work folder
+    "GPUMEM_SHARED_DIR",        # the folder of shared-budget ledgers (gpumem.placement.ledger)
 })
 
 #: every GPUMEM_* variable read besides GPUMEM_<FIELD>
@@ -84,6 +86,29 @@ def parse_handle_size(raw: str, what: str = "expandable_handle_size") -> int | s
     except ValueError:
         raise InvalidInputError(f"{what}: expected a size (e.g. 20MiB; 0: one page) or "
                                 f"{HANDLE_PER_GROWTH!r}, got {raw!r}") from None
+
+
+#: a shared_group name: it becomes part of a file name
+SHARED_GROUP_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
+
+
+def parse_shared_budget(raw: str) -> int | float:
+    """A shared_budget written as text: a fraction of the device (``"0.5"``, ``"1"``) or a
+    size (``"6GiB"``, ``"1000000"`` bytes)."""
+    text = raw.strip()
+    try:
+        value = float(text)
+    except ValueError:
+        return parse_size(text, what="shared_budget")
+    if not math.isfinite(value):
+        raise InvalidInputError(f"shared_budget must be a size or a fraction in (0, 1], got "
+                                f"{raw!r}")
+    if value <= 1.0 and ("." in text or value == 1.0):
+        return value                       # "0.5", "1", "1.0": a fraction of the device
+    if value != int(value):
+        raise InvalidInputError(f"shared_budget must be a size or a fraction in (0, 1], got "
+                                f"{raw!r}")
+    return parse_size(text, what="shared_budget")
 
 
 def _debug_env() -> bool:
@@ -134,6 +159,13 @@ class MemoryConfig:
     auto_release_at_high: bool = True       # at HIGH, trim the cache to high_cache_fraction
     high_cache_fraction: float = 0.10       # of usable memory, kept cached at HIGH
     auto_cleanup_at_critical: bool = True   # at CRITICAL, release every wholly free segment
+    # a budget shared with this user's other processes on the device (docs/shared_budget.md)
+    shared_group: str | None = None         # the group to join (None: no sharing)
+    shared_budget: int | float | str | None = None  # bytes (an int or a size string), or a
+                                            # fraction in (0, 1] of the device's total memory;
+                                            # None: 1.0 (the whole device)
+    shared_hand_back: bool = True           # a growth past the budget first asks the others
+                                            # to release cached memory
 
     def __post_init__(self) -> None:
         self._normalise_sizes()
@@ -180,6 +212,7 @@ class MemoryConfig:
                 or not 0.0 < t[0] < t[1] < t[2] <= 1.0):
             raise InvalidInputError(
                 f"pressure_thresholds must be three increasing fractions in (0, 1], got {t!r}")
+        self._check_shared()
         h = self.high_cache_fraction
         if isinstance(h, bool) or not isinstance(h, (int, float)) or not math.isfinite(h) \
                 or not 0.0 <= h <= 1.0:
@@ -237,6 +270,34 @@ class MemoryConfig:
             else:
                 continue
             object.__setattr__(self, name, value)
+
+    def _check_shared(self) -> None:
+        """shared_group, shared_budget (a size string becomes bytes), shared_hand_back."""
+        group, budget = self.shared_group, self.shared_budget
+        if group is not None and (not isinstance(group, str)
+                                  or not SHARED_GROUP_NAME.fullmatch(group)):
+            raise InvalidInputError(
+                f"shared_group must be None or 1 to 64 characters of letters, digits, '_', '.' "
+                f"or '-' (not starting with '.' or '-'), got {group!r}")
+        if not isinstance(self.shared_hand_back, bool):
+            raise InvalidInputError(f"shared_hand_back must be a bool, got "
+                                    f"{self.shared_hand_back!r}")
+        if budget is None:
+            return
+        if group is None:
+            raise InvalidInputError(f"shared_budget={budget!r} needs a shared_group (the "
+                                    f"processes that share it)")
+        if isinstance(budget, str):
+            budget = parse_shared_budget(budget)
+            object.__setattr__(self, "shared_budget", budget)
+        if isinstance(budget, float):
+            if not math.isfinite(budget) or not 0.0 < budget <= 1.0:
+                raise InvalidInputError(f"shared_budget as a fraction of the device must be in "
+                                        f"(0, 1], got {budget!r}")
+            return
+        self._check_int("shared_budget", budget)
+        if budget == 0:
+            raise InvalidInputError("shared_budget must be > 0 bytes (or a fraction in (0, 1])")
 
     @staticmethod
     def _check_int(name: str, value: Any) -> None:
@@ -405,6 +466,10 @@ def _parse_env_value(name: str, raw: str, current: Any) -> Any:
         return parse_handle_size(raw)
     if name == "segments":
         return raw.lower()
+    if name == "shared_group":
+        return None if raw.lower() in ("none", "") else raw
+    if name == "shared_budget":
+        return None if raw.lower() in ("none", "") else parse_shared_budget(raw)
     if raw.lower() in ("none", ""):
         return None
     return parse_size(raw, what=name)

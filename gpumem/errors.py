@@ -18,6 +18,7 @@ __all__ = [
     "DriverError",
     "DriverOutOfMemory",
     "TraceFormatError",
+    "SharedLedgerError",
     "UnsupportedOperationError",
     "GpumemWarning",
     "CpuFallbackWarning",
@@ -152,6 +153,12 @@ class UnsupportedOperationError(GpuMemoryError, NotImplementedError):
 
 class TraceFormatError(InvalidInputError):
     """A trace file is malformed; the message names the file and line."""
+
+
+class SharedLedgerError(InvalidInputError):
+    """A shared-budget ledger that cannot be trusted or used (the message names the file and
+    says why), or a shared-budget setting that disagrees with the group's
+    (docs/shared_budget.md)."""
 
 
 class GpumemWarning(UserWarning):

@@ -46,9 +46,10 @@ from gpumem_sim.registry import (
     uninstall,
     using,
 )
+from gpumem_sim.shared_card import SharedCard
 
 __all__ = [
-    "SimDevice", "SimCall", "SimSegment", "PrivateSimDevice",
+    "SimDevice", "SimCall", "SimSegment", "SharedCard", "PrivateSimDevice",
     "install", "installed", "uninstall", "using", "devices_from_env", "demo_device",
     "nothing_installed",
     "ENV_VAR", "DEFAULT_CAPACITY", "MAX_CAPACITY", "MAX_ALIGNMENT", "CALL_LOG_LIMIT",

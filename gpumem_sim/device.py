@@ -46,6 +46,7 @@ from gpumem_sim._common import (_MMAP_KW, _UNSET, SimCall, _bytes_view, _fail_af
                                 _reserve_window, _size_arg)
 from gpumem_sim._ranges import RangeAllocator
 from gpumem_sim.driver_costs import ModeledDriverTime, make_meter
+from gpumem_sim.shared_card import SharedCardUser
 from gpumem_sim.streams import SimStreams
 from gpumem_sim.vmm import DEFAULT_VM_GRANULARITY, VA_WINDOW_FACTOR, VirtualMemory
 
@@ -90,7 +91,7 @@ class _Segment:
         self.store = store
 
 
-class SimDevice(SimStreams, VirtualMemory, ModeledDriverTime, Device):
+class SimDevice(SimStreams, VirtualMemory, ModeledDriverTime, SharedCardUser, Device):
     """A simulated GPU with ``capacity`` bytes (an int or a string such as ``"16GiB"``).
 
     - Segments are ranges of a private address window starting at :attr:`base_address`; each
@@ -106,6 +107,9 @@ class SimDevice(SimStreams, VirtualMemory, ModeledDriverTime, Device):
       items on a stream, :meth:`complete` finishes them, :meth:`stream_idle` reports whether any
       remain (:mod:`gpumem_sim.streams`). Copies are synchronous and never advance these
       queues: tests drive them.
+    - Shared card (:meth:`share_card`): the devices of several processes may be one card; the
+      bytes the others hold count as taken (``mem_get_info``, ``alloc_segment``). Without a
+      shared card nothing outside this object is read, so a device stays deterministic.
     - Fault injection: see the module docstring (``fail_after``, ``fail_rate`` with ``seed``,
       ``fail_free``, ``fail_kind``).
     - Counters (``alloc_calls``, ``free_calls``, ``failed_allocs``, ``injected_failures``,
@@ -170,6 +174,7 @@ class SimDevice(SimStreams, VirtualMemory, ModeledDriverTime, Device):
         self._next_handle = 1
         self._other = other
         self._live_bytes = 0
+        self._card = None                    # a SharedCard (gpumem_sim.shared_card)
 
         self._seed = seed_v
         self._rng = random.Random(seed_v)
@@ -346,7 +351,8 @@ class SimDevice(SimStreams, VirtualMemory, ModeledDriverTime, Device):
             self.mem_get_info_calls += 1
             if self._meter is not None:
                 self._meter.charge("mem_get_info")
-            return self._capacity - self._other - self._live_bytes, self._capacity
+            free = self._capacity - self._other - self._live_bytes - self._card_others()
+            return max(free, 0), self._capacity
 
     # --- Device protocol: segments -----------------------------------------------------------
     def alloc_segment(self, nbytes: int) -> tuple[int, int]:
@@ -375,8 +381,11 @@ class SimDevice(SimStreams, VirtualMemory, ModeledDriverTime, Device):
                 exc.injected = True  # type: ignore[attr-defined]
                 raise exc
 
-            free = self._capacity - self._other - self._live_bytes
+            free = self._capacity - self._other - self._live_bytes - self._card_others()
             offset = self._ranges.alloc(reserved) if reserved <= free else None
+            if offset is not None and self._card is not None and not self._card.charge(reserved):
+                self._ranges.free(offset, reserved)      # another process took it meanwhile
+                offset, free = None, 0
             if offset is None:
                 self.failed_allocs += 1
                 self._record(SimCall("alloc", n, None, "oom"))
@@ -398,6 +407,8 @@ class SimDevice(SimStreams, VirtualMemory, ModeledDriverTime, Device):
                     store = mmap.mmap(-1, reserved, **_MMAP_KW)
                 except (OSError, ValueError, OverflowError) as e:
                     self._ranges.free(offset, reserved)
+                    if self._card is not None:
+                        self._card.charge(-reserved)
                     self.failed_allocs += 1
                     self._record(SimCall("alloc", n, None, "oom"))
                     oom = DriverOutOfMemory(
@@ -436,6 +447,8 @@ class SimDevice(SimStreams, VirtualMemory, ModeledDriverTime, Device):
             del self._segments[h]
             self._ranges.free(seg.offset, seg.reserved)
             self._live_bytes -= seg.reserved
+            if self._card is not None:
+                self._card.charge(-seg.reserved)
             if seg.store is not None:
                 seg.store.close()
                 seg.store = None

@@ -115,6 +115,8 @@ class VirtualMemory:
     _capacity: int
     _other: int
     _live_bytes: int
+    _card: Any
+    _card_others: Any
     _back_memory: bool
     _fail_kind: str
     _fail_free_left: Any
@@ -250,14 +252,21 @@ class VirtualMemory:
                                         f"{format_bytes(n)} page (injected: {injected})")
                 exc.injected = True  # type: ignore[attr-defined]
                 raise exc
-            free = self._capacity - self._other - self._live_bytes
+            free = self._capacity - self._other - self._live_bytes - self._card_others()
+            if n <= free and self._card is not None and not self._card.charge(n):
+                free = 0                         # another process took it meanwhile
             if n > free:
                 self._vm_log("create", n, None, "oom")
                 exc = DriverOutOfMemory(f"{self.device_string}: out of memory creating a "
                                         f"{format_bytes(n)} page: {format_bytes(free)} free")
                 exc.injected = False  # type: ignore[attr-defined]
                 raise exc
-            store = mmap.mmap(-1, n, **_MMAP_KW) if self._back_memory else None
+            try:
+                store = mmap.mmap(-1, n, **_MMAP_KW) if self._back_memory else None
+            except BaseException:
+                if self._card is not None:
+                    self._card.charge(-n)
+                raise
             handle = self._next_page
             self._next_page += 1
             self._pages[handle] = _Page(handle, n, store)
@@ -390,6 +399,8 @@ class VirtualMemory:
                 raise exc
             del self._pages[handle]
             self._live_bytes -= page.nbytes
+            if self._card is not None:
+                self._card.charge(-page.nbytes)
             if page.store is not None:
                 page.store.close()
             self._vm_log("release", page.nbytes, handle)

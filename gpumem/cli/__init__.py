@@ -3,6 +3,7 @@
 Commands::
 
     gpumem info                          devices of every backend, memory and pressure
+    gpumem groups                        shared memory budgets: members, reserved, cached
     gpumem estimate --model mistral-7b   memory to run a transformer (preset or shape flags)
     gpumem replay TRACE                  replay an allocation trace through the real pool
     gpumem tune TRACE --device sim:24GiB which gpumem/PyTorch settings fit it, on which card
@@ -26,8 +27,8 @@ import argparse
 import sys
 from typing import Sequence
 
-from gpumem.cli import (cluster, common, demo, info, inspect, replay, torch_import, trace,
-                        tune)
+from gpumem.cli import (cluster, common, demo, groups, info, inspect, replay, torch_import,
+                        trace, tune)
 from gpumem.cli.common import (
     DEMO_TRACE,
     EXIT_ERROR,
@@ -41,7 +42,7 @@ __all__ = ["main", "build_parser", "DEMO_TRACE", "GROUPS"]
 
 #: the command groups, in the order ``gpumem --help`` lists them: each module's
 #: ``register(subparsers)`` adds its commands
-GROUPS = (info, replay, tune, inspect, torch_import, trace, demo, cluster)
+GROUPS = (info, groups, replay, tune, inspect, torch_import, trace, demo, cluster)
 
 
 def build_parser() -> argparse.ArgumentParser:

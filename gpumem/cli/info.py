@@ -49,6 +49,12 @@ def cmd_info(args: argparse.Namespace) -> int:
              f"{r['pressure']} ({r['used_ratio']:.0%} of usable in use)")
     say(f"usable = min(total x gpu_memory_fraction {config.gpu_memory_fraction}, total - "
          f"reserve); pressure counts memory already in use on the device")
+    from gpumem.cli.groups import group_lines
+    lines = group_lines()
+    if lines:
+        say("shared groups (gpumem groups):")
+        for line in lines:
+            say("  " + line)
     return EXIT_OK
 
 _SHAPE_FLAGS = ("hidden_size", "intermediate_size", "num_layers", "vocab_size", "num_heads")

@@ -105,6 +105,10 @@ class GpumemPlugin(WorkerPlugin):
     - ``pool_size``: bytes (or ``"2GiB"``) to reserve and cache at start (like dask-cuda's
       ``rmm_pool_size``), rounded up to whole ``MemoryConfig.large_segment`` blocks. It is
       kept: with a pool size, ``release_before_grow`` is False unless a knob says otherwise.
+    - ``shared_budget``: the workers on one device (one host) share this budget (a fraction of
+      the device or a size) and hand cached memory to each other (docs/shared_budget.md);
+      their group is named after the scheduler unless ``shared_group=`` is given.
+      :func:`gpumem.dask.memory_report` then shows each worker's share.
     - ``cupy``, ``numba``, ``torch``: route that framework's allocations through the manager.
     - ``release_at`` (default HIGH): at this pressure level or above, the worker's cached device
       memory is given back to the driver. ``pause_at`` (default CRITICAL): at this level or
@@ -124,7 +128,8 @@ class GpumemPlugin(WorkerPlugin):
                  pool_size: int | str | None = None, cupy: bool = False, numba: bool = False,
                  torch: bool = False, release_at: MemoryPressure | str | None = "HIGH",
                  pause_at: MemoryPressure | str | None = "CRITICAL",
-                 check_interval: float = 0.25, name: str = PLUGIN_NAME, **knobs: Any) -> None:
+                 check_interval: float = 0.25, name: str = PLUGIN_NAME,
+                 shared_budget: int | float | str | None = None, **knobs: Any) -> None:
         if not (device is None or isinstance(device, (str, Mapping)) or callable(device)):
             raise InvalidInputError(f"device must be a device string, a mapping from worker name "
                                     f"to device string, a callable(worker) or None; got "
@@ -132,7 +137,16 @@ class GpumemPlugin(WorkerPlugin):
         if config is not None and not isinstance(config, MemoryConfig):
             raise InvalidInputError(f"config must be a MemoryConfig or None, got "
                                     f"{type(config).__name__}")
-        (config or MemoryConfig()).replace(**knobs)          # unknown or bad knobs fail here
+        if shared_budget is not None:
+            if "shared_budget" in knobs:
+                raise InvalidInputError("give shared_budget once (as GpumemPlugin's argument)")
+            knobs["shared_budget"] = shared_budget
+        if "shared_budget" in knobs:                # checked with a stand-in group: the
+            checked = (config or MemoryConfig()).replace(      # real one is named on setup
+                **{"shared_group": "check", **knobs})
+            knobs["shared_budget"] = checked.shared_budget
+        else:
+            (config or MemoryConfig()).replace(**knobs)      # unknown or bad knobs fail here
         for flag, value in (("cupy", cupy), ("numba", numba), ("torch", torch)):
             if not isinstance(value, bool):
                 raise InvalidInputError(f"{flag} must be True or False, got {value!r}")
@@ -167,6 +181,8 @@ class GpumemPlugin(WorkerPlugin):
 
         device = self._device_for(worker)
         knobs = self.knobs
+        if "shared_budget" in knobs and not knobs.get("shared_group"):
+            knobs = {**knobs, "shared_group": _shared_group_for(worker)}
         if self.pool_size and "release_before_grow" not in knobs:
             # the pool is kept: otherwise the first growth past it would give it back
             knobs = {**knobs, "release_before_grow": False}
@@ -283,6 +299,7 @@ class GpumemPlugin(WorkerPlugin):
             "cache_releases": self.cache_releases,
             "pauses": self.pauses,
             "paused": self._paused_by_us,
+            **_shared_counters(manager),
         }
 
     def _device_for(self, worker: "Worker") -> str | None:
@@ -303,6 +320,27 @@ class GpumemPlugin(WorkerPlugin):
             raise InvalidInputError(f"GpumemPlugin(device=callable) returned {device!r} for "
                                     f"worker {worker.name!r}; expected a device string or None")
         return device
+
+
+def _shared_counters(manager: "MemoryManager") -> dict[str, Any]:
+    """The worker's shared group, if it joined one: the group, its budget, its members and
+    what they hold (the ledger's figures: each member's as of its last miss or release)."""
+    shared = getattr(manager._growth, "shared", None)
+    if shared is None or not shared.active:
+        return {}
+    members = [m for m in shared.members() if m.alive]
+    return {"shared_group": shared.group, "shared_budget_bytes": shared.budget,
+            "shared_members": len(members),
+            "shared_reserved_bytes": sum(m.reserved for m in members),
+            "shared_requests_sent": shared.requests_sent,
+            "shared_requests_answered": shared.requests_answered}
+
+
+def _shared_group_for(worker: "Worker") -> str:
+    """The group of the workers of one cluster on one host: named after the scheduler."""
+    import re
+    address = str(getattr(worker.scheduler, "address", "") or "scheduler")
+    return "dask-" + re.sub(r"[^A-Za-z0-9_.-]", "_", address)[:58]
 
 
 def _open_manager(device: str | None, config: MemoryConfig | None,

@@ -145,19 +145,30 @@ def _status_line(row: dict[str, Any]) -> str | None:
     return None
 
 
+#: the column added when workers share a budget (GpumemPlugin(shared_budget=...)): each
+#: worker's reserved bytes as a share of the group's budget
+_SHARE_COLUMN = ("shared_share", "share", 6)
+
+
 def format_report(rows: list[dict[str, Any]]) -> str:
-    """The rows as a fixed-width table (sizes in binary units), one line per worker."""
+    """The rows as a fixed-width table (sizes in binary units), one line per worker; with a
+    shared budget, each worker's share of it and one line per group."""
+    groups = {(r["shared_group"], r.get("device")): r for r in rows if r.get("shared_group")}
+    columns = _COLUMNS + ((_SHARE_COLUMN,) if groups else ())
     lines = [" ".join(f"{title:>{width}}" if i > 1 else f"{title:<{width}}"
-                      for i, (_, title, width) in enumerate(_COLUMNS))]
+                      for i, (_, title, width) in enumerate(columns))]
     for row in rows:
         status = _status_line(row)
         if status is not None:
             lines.append(status)
             continue
         cells = []
-        for i, (key, _, width) in enumerate(_COLUMNS):
+        for i, (key, _, width) in enumerate(columns):
             value = row.get(key)
-            if key.endswith("_bytes"):
+            if key == "shared_share":
+                budget = row.get("shared_budget_bytes")
+                text = f"{row['reserved_bytes'] / budget:.0%}" if budget else "-"
+            elif key.endswith("_bytes"):
                 text = format_bytes(value)
             elif key == "paused":
                 text = "yes" if value else "no"
@@ -167,4 +178,8 @@ def format_report(rows: list[dict[str, Any]]) -> str:
         lines.append(" ".join(cells))
     if not rows:
         lines.append("(no workers)")
+    for (group, device), row in sorted(groups.items(), key=lambda kv: str(kv[0])):
+        lines.append(f"shared group {group} on {device}: budget "
+                     f"{format_bytes(row['shared_budget_bytes'])}, {row['shared_members']} "
+                     f"member(s) holding {format_bytes(row['shared_reserved_bytes'])}")
     return "\n".join(lines)

@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from gpumem.config import MemoryConfig
     from gpumem.manager.pressure import PressureWatch
     from gpumem.manager.stream_book import StreamBook
+    from gpumem.placement.shared_budget import SharedBudget
 
 __all__ = ["Growth", "SegmentGrowth", "FRAGMENTATION_WARNING"]
 
@@ -89,6 +90,8 @@ class SegmentGrowth:
         self.pressure = pressure
         self.max_pool_size: int | None = config.max_pool_size   # the cache cap (trim_cache)
         self._frag_warned = False
+        #: the shared group this manager joined (gpumem.placement.shared_budget), or None
+        self.shared: SharedBudget | None = None
         self.expandable: ExpandableSegments | None = (ExpandableSegments(self) if expandable
                                                       else None)
 
@@ -117,8 +120,11 @@ class SegmentGrowth:
         return self._core.alloc_in_grown_segment(handle, extra, nbytes, stream, tag)
 
     def reserved_changed(self) -> None:
-        """The bytes held from the device changed: the pressure level may have too."""
+        """The bytes held from the device changed: the pressure level may have too, and the
+        shared group's ledger is told."""
         self.pressure.update(self)
+        if self.shared is not None:
+            self.shared.sync()
 
     # --- growth ----------------------------------------------------------------------------------
     def grow(self, nbytes: int, stream: int, tag: Any) -> Buffer | None:
@@ -189,10 +195,15 @@ class SegmentGrowth:
         return None
 
     def segment_allowed(self, seg_size: int, reserved: int, free: int) -> bool:
-        """Whether ``seg_size`` more bytes stay within usable memory (``reserved`` held now)
-        and leave ``min_free_bytes`` of the driver's ``free``."""
-        return (reserved + seg_size <= self.usable_memory
-                and free - seg_size >= self.config.min_free_bytes)
+        """Whether ``seg_size`` more bytes stay within usable memory (``reserved`` held now),
+        leave ``min_free_bytes`` of the driver's ``free`` and (in a shared group) stay within
+        the group's budget, the others asked to hand back cached memory first."""
+        if reserved + seg_size > self.usable_memory:
+            return False
+        if self.shared is not None:           # the group's budget; others may hand back cache
+            return self.shared.allow(seg_size, reserved, free, self.config.min_free_bytes,
+                                     lambda: self.device.mem_get_info()[0])
+        return free - seg_size >= self.config.min_free_bytes
 
     def _check_fragmentation(self, nbytes: int) -> None:
         """On a miss that needs a new segment: warn when the cache holds enough free bytes for

@@ -32,6 +32,9 @@ FIXED_FIELDS: dict[str, str] = {
     "expandable_segments": f"{_LAYOUT} (expandable or plain segments)",
     "expandable_handle_size": f"{_LAYOUT} (the physical handles of expandable segments)",
     "segments": f"{_LAYOUT} (the segment policy)",
+    "shared_group": "the manager joined its shared group with it (a new manager joins another)",
+    "shared_budget": "the group's ledger holds it, and every member must agree on it",
+    "shared_hand_back": "the manager's group membership was made with it",
 }
 
 #: field -> what acts on it once changed (read when that part acts)

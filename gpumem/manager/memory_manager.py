@@ -176,6 +176,9 @@ class MemoryManager(ManagerCore):
         self._miss = MissPath(core, self._growth, self._streams, config, total,
                               _host_maker(self), self._recorders)
         self._set_slow_path(self._miss)
+        if config.shared_group is not None:       # a budget shared with other processes
+            from gpumem.placement.shared_budget import SharedBudget   # placement: layer above
+            self._growth.shared = SharedBudget(self._growth, dev, config, total)
         self.tracker = None
         self._set_tracking(config)
         dev.add_stream_listener(self._streams.on_stream_destroyed)
@@ -580,6 +583,8 @@ class MemoryManager(ManagerCore):
                     warnings.warn(f"gpumem: synchronize failed while closing: {exc}",
                                   RuntimeWarning)
                 self._growth.return_everything()
+            if self._growth.shared is not None:
+                self._growth.shared.leave()         # after the memory went back (a sim card)
             if self._miss.host is not None:
                 self._miss.host.close()
             if self._executor is not None:

@@ -130,6 +130,9 @@ class MissPath:
             self.streams.ensure(stream)
             if nbytes > growth.usable_memory:
                 return None                       # can never fit: no driver call, cache kept
+            shared = growth.shared                # a shared group: others may hand back cache
+            if shared is not None:
+                shared.begin_miss()
             buf = growth.alloc_cached(nbytes, stream, tag)
             if buf is None:
                 buf = growth.alloc_from_idle_streams(nbytes, stream, tag)
@@ -149,6 +152,8 @@ class MissPath:
                 if buf is None:
                     growth.release_cached(reason="after OOM callbacks")
                     buf = growth.grow(nbytes, stream, tag)
+            if shared is not None:
+                shared.sync()                     # the true figures; drops an unused claim
             return buf
 
     # --- OOM ------------------------------------------------------------------------------------
@@ -181,6 +186,8 @@ class MissPath:
                 reason += "; CPU fallback is disabled"
             elif fallback_refused:
                 reason += "; CPU fallback refused by malloc(fallback=False)"
+        if growth.shared is not None and growth.shared.active:
+            reason += "; " + growth.shared.describe()
         cached = reserved - in_use
         largest = pool.largest_free_block()
         fits = nbytes <= usable                  # else how the cache looks is beside the point

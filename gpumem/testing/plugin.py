@@ -26,6 +26,7 @@ MARKER_KEYS = ("devices", "faults", "config")
 class _Settings(NamedTuple):
     specs: list[DeviceSpec]
     backend: str
+    shared: tuple[str, int | float] | None     # (group, budget) the managers join, or None
 
 
 _SETTINGS = pytest.StashKey[_Settings]()
@@ -39,6 +40,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--gpumem-backend", default="sim", metavar="NAME",
                     help=f"run the simulated devices on this backend instead: one of "
                          f"{', '.join(backend_choices())} (default sim)")
+    group.addoption("--gpumem-shared-budget", default=None, metavar="BUDGET",
+                    help="under pytest-xdist, the workers' gpumem_manager managers join one "
+                         "shared group per device with this budget (a fraction of the device "
+                         "or a size; 'off' to keep each worker to itself; default 1.0)")
+    parser.addini("gpumem_shared_budget", default="",
+                  help="--gpumem-shared-budget's value when the option is not given")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -54,7 +61,36 @@ def pytest_configure(config: pytest.Config) -> None:
         backend = check_backend(config.getoption("--gpumem-backend"))
     except InvalidInputError as exc:
         raise pytest.UsageError(str(exc)) from None
-    config.stash[_SETTINGS] = _Settings(specs, backend)
+    try:
+        shared = _shared_group(config)
+    except InvalidInputError as exc:
+        raise pytest.UsageError(str(exc)) from None
+    config.stash[_SETTINGS] = _Settings(specs, backend, shared)
+
+
+def _shared_group(config: pytest.Config) -> tuple[str, int | float] | None:
+    """(group, budget) for this xdist worker's managers: one group per test run (xdist's
+    ``testrunuid``, the same in every worker), so the workers share a budget on each device
+    and hand cached memory to each other; None outside xdist or when turned off."""
+    from gpumem.config import parse_shared_budget
+    raw = config.getoption("--gpumem-shared-budget")
+    what = "--gpumem-shared-budget"
+    if raw is None:
+        raw, what = config.getini("gpumem_shared_budget") or "1.0", "gpumem_shared_budget (ini)"
+    text = str(raw).strip().lower()
+    if text in ("off", "none", "no", "0", "false"):
+        return None
+    try:
+        budget = parse_shared_budget(text)
+        if isinstance(budget, float) and not 0.0 < budget <= 1.0:
+            raise InvalidInputError(f"a fraction must be in (0, 1], got {budget}")
+    except InvalidInputError as exc:
+        raise InvalidInputError(f"{what}={raw!r}: {exc}; give a fraction of the device, a size "
+                                f"or 'off'") from None
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is None:
+        return None                             # one process: nobody to share with
+    return f"pytest-xdist-{workerinput['testrunuid'][:16]}", budget
 
 
 def _marker_kwargs(request: pytest.FixtureRequest) -> dict[str, Any]:
@@ -110,7 +146,9 @@ def gpumem_devices(request: pytest.FixtureRequest) -> Iterator[GpumemDevices]:
 def gpumem_manager(gpumem_devices: GpumemDevices, request: pytest.FixtureRequest) -> Iterator[Any]:
     """A fresh MemoryManager on the test's first device, closed afterwards; the test fails if
     buffers are still alive then. Its config is the marker's ``config=``, else
-    ``MemoryConfig.from_env()`` with allocation tracking on (so a leak names its buffers)."""
+    ``MemoryConfig.from_env()`` with allocation tracking on (so a leak names its buffers).
+    Under pytest-xdist it joins the workers' shared group on its device
+    (``--gpumem-shared-budget``) unless its config names a group of its own."""
     from gpumem import MemoryConfig, MemoryManager
 
     config = _marker_kwargs(request).get("config")
@@ -119,6 +157,9 @@ def gpumem_manager(gpumem_devices: GpumemDevices, request: pytest.FixtureRequest
     elif not isinstance(config, MemoryConfig):
         raise InvalidInputError(f"@pytest.mark.gpumem(config=...) must be a MemoryConfig, got "
                                 f"{type(config).__name__}")
+    shared = request.config.stash[_SETTINGS].shared
+    if shared is not None and config.shared_group is None:
+        config = config.replace(shared_group=shared[0], shared_budget=shared[1])
     manager = MemoryManager(gpumem_devices[0], config)
     try:
         yield manager

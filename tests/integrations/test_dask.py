@@ -245,6 +245,54 @@ def test_oom_ladder_seen_from_the_client(client, plugin):
     assert rows[0]["num_ooms"] == 0 and rows[1]["cpu_fallbacks"] == 0
 
 
+def _free_held_into_cache(dask_worker=None):
+    """Free the held buffers: their memory stays in the worker's cache."""
+    return _drop_held(dask_worker)
+
+
+def _ledger_path(dask_worker=None):
+    return _manager(dask_worker)._growth.shared.path
+
+
+def test_workers_on_one_device_share_a_budget_and_the_report_shows_each_share(client, plugin,
+                                                                              capsys):
+    """GpumemPlugin(shared_budget=1.0) with both workers on "sim:0" (one 1 GiB card for the
+    two processes, through the group's ledger): worker 0 caches 600 MiB, and worker 1's 600 MiB
+    still fits because worker 0 hands its cache back; memory_report shows each worker's share
+    of the budget and the group."""
+    import os
+    addresses = plugin(device="sim:0", shared_budget=1.0, **WHOLE)
+    client.run(_hold, 600 * MiB, workers=[addresses[0]])
+    client.run(_free_held_into_cache, workers=[addresses[0]])
+    assert client.run(_hold, 600 * MiB, workers=[addresses[1]])[addresses[1]] == 600 * MiB
+    rows = _wait_for(lambda: (r := _report(client)) and r[1].get("in_use_bytes") == 600 * MiB
+                     and r[0].get("shared_members") == 2 and r, "the shared group's counters")
+    assert rows[0]["shared_group"] == rows[1]["shared_group"]
+    assert rows[0]["shared_group"].startswith("dask-")
+    assert rows[0]["shared_budget_bytes"] == 1 << 30
+    assert rows[0]["shared_requests_answered"] >= 1 and rows[1]["shared_requests_sent"] >= 1
+    assert rows[0]["reserved_bytes"] < 600 * MiB                 # handed back
+    gdask.memory_report(client)
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].split()[-1] == "share" and out[2].split()[-1].endswith("%")
+    assert out[-1].startswith(f"shared group {rows[0]['shared_group']} on sim:0: budget "
+                              f"1.00 GiB, 2 member(s)")
+    path = client.run(_ledger_path, workers=[addresses[0]])[addresses[0]]
+    client.run(_drop_held)
+    client.unregister_worker_plugin(gdask.PLUGIN_NAME)
+    os.unlink(path)
+
+
+def test_shared_budget_argument_is_checked_on_the_client():
+    """A bad shared_budget fails at construction, on the client, naming it; a size string
+    becomes bytes."""
+    with pytest.raises(InvalidInputError, match=r"shared_budget as a fraction .* got 1.5"):
+        gdask.GpumemPlugin(shared_budget=1.5)
+    with pytest.raises(InvalidInputError, match="shared_budget"):
+        gdask.GpumemPlugin(shared_budget="-2GiB")
+    assert gdask.GpumemPlugin(shared_budget="2GiB").knobs["shared_budget"] == 2 << 30
+
+
 def gpumem_sim_device(i):
     import gpumem_sim
     return gpumem_sim.installed()[i]

@@ -273,3 +273,59 @@ def test_docs_example(suite):
     result = suite(leaky)
     result.assert_outcomes(passed=3, errors=1)
     result.stdout.fnmatch_lines(["*1 buffer(s) still live on sim:0*"])
+
+
+XDIST_SOURCE = """
+    import os
+    import pytest
+
+    @pytest.mark.parametrize("i", range(8))
+    def test_joins_the_run_group(gpumem_manager, i):
+        shared = gpumem_manager._growth.shared
+        assert shared is not None and shared.group.startswith("pytest-xdist-")
+        assert gpumem_manager.device.shared_card is not None       # one card for all workers
+        buf = gpumem_manager.malloc(64 << 20)
+        pids = sorted({m.pid for m in shared.members()})
+        with open(os.path.join(os.environ["OUT"], f"{os.getpid()}-{i}"), "w") as f:
+            f.write(f"{shared.group} {shared.path} {os.getpid() in pids}")
+        buf.free()
+"""
+
+
+def test_xdist_workers_share_one_group_and_leaks_are_still_reported(suite, tmp_path,
+                                                                    monkeypatch, request):
+    """Under pytest-xdist with 4 workers the plug-in's managers join one shared group per
+    device (one ledger, one simulated card for every worker); the docs example still passes and
+    its planted leak is still reported; --gpumem-shared-budget off leaves each worker alone."""
+    import os
+    import re
+    import tempfile
+    from invariants import require_checkout
+    pytest.importorskip("xdist")
+    import shutil
+    shared_dir = tempfile.mkdtemp(prefix="gmx", dir="/tmp")
+    request.addfinalizer(lambda: shutil.rmtree(shared_dir, ignore_errors=True))
+    monkeypatch.setenv("GPUMEM_SHARED_DIR", shared_dir)
+    out = tmp_path / "out"
+    out.mkdir()
+    monkeypatch.setenv("OUT", str(out))
+    suite(XDIST_SOURCE, "-n", "4", "-p", "no:cacheprovider").assert_outcomes(passed=8)
+    seen = [(name.split("-")[0], (out / name).read_text().split()) for name in os.listdir(out)]
+    assert len(seen) == 8 and len({pid for pid, _ in seen}) >= 2    # several workers
+    assert len({tuple(fields[:2]) for _, fields in seen}) == 1        # one group, one ledger
+    assert all(fields[2] == "True" for _, fields in seen)
+    root = str(require_checkout("docs/testing.md"))
+    with open(os.path.join(root, "docs", "testing.md")) as f:
+        code = re.search(r"```python\n(.*?)```", f.read(), re.S).group(1)
+    suite(code, "-n", "4", "--gpumem-devices", "sim:16GiB,sim:8GiB").assert_outcomes(passed=3)
+    leaky = code.replace("    for seq in range(8):\n        cache.drop(seq)",
+                         "    for seq in range(7):\n        cache.drop(seq)")
+    result = suite(leaky, "-n", "4")
+    result.assert_outcomes(passed=3, errors=1)
+    result.stdout.fnmatch_lines(["*1 buffer(s) still live on sim:0*"])
+    off = suite("def test_alone(gpumem_manager):\n"
+                "    assert gpumem_manager._growth.shared is None\n",
+                "-n", "2", "--gpumem-shared-budget", "off")
+    off.assert_outcomes(passed=1)
+    bad = suite("def test_x(): pass", "-n", "2", "--gpumem-shared-budget", "lots")
+    assert bad.ret != 0
