@@ -24,6 +24,7 @@ __all__ = ["MemoryConfig", "MAX_BYTES", "SIZE_FIELDS", "OTHER_VARIABLES", "USER_
 #: GPUMEM_* variables a user sets, read elsewhere (besides GPUMEM_<FIELD> of MemoryConfig):
 #: from_env does not warn about these, and its warning about an unknown one lists them.
 USER_VARIABLES = frozenset({
+    "GPUMEM_SHARED_DIR",        # the folder of shared-budget ledgers (gpumem.placement.ledger)
     "GPUMEM_DEBUG",             # tracking on (config)
     "GPUMEM_DEVICE",            # the default device (gpumem.default_device, get_manager)
     "GPUMEM_SIM_DEVICES",       # simulated devices (gpumem_sim)
@@ -50,7 +51,6 @@ INTERNAL_VARIABLES = frozenset({
     "GPUMEM_TEST_INSTALLED",    # tests: gpumem must be an installed wheel (ci/package.sh)
     "GPUMEM_PACKAGE_PYTHONS",   # ci/package.sh: the interpreters to build wheels for
     "GPUMEM_PACKAGE_KEEP",      # ci/package.sh: keep its work folder
-    "GPUMEM_SHARED_DIR",        # the folder of shared-budget ledgers (gpumem.placement.ledger)
 })
 
 #: every GPUMEM_* variable read besides GPUMEM_<FIELD>

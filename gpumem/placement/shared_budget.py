@@ -44,7 +44,6 @@ if TYPE_CHECKING:
     from gpumem._core.pool import CachingPool
     from gpumem.backends.base import Device
     from gpumem.config import MemoryConfig
-    from gpumem.manager.expandable import ExpandableSegments
     from gpumem.placement.sim_card import SimCard
 
 __all__ = ["SharedBudget", "GroupMember", "group_members", "REPLY_WAIT",
@@ -64,13 +63,20 @@ _POLL = 0.0005
 _WATCH_TIMEOUT = 1.0
 
 
+class HeldPages(Protocol):
+    """What a member reads of its expandable segments: the bytes of page handles the driver
+    refused to free (still taken on the device)."""
+
+    held_bytes: int
+
+
 class Releaser(Protocol):
     """What a member needs of its manager: the pool's figures, the slow-path lock and the
     release of cached memory (the manager's SegmentGrowth)."""
 
     lock: _threading.RLock
     pool: CachingPool
-    expandable: ExpandableSegments | None
+    expandable: HeldPages | None
 
     def release_cached(self, max_bytes: int | None = None, *, reason: str = "",
                        small: bool | None = None) -> int: ...

@@ -157,14 +157,17 @@ def test_fixed_fields_are_refused(make_manager, name):
     call are not applied either)."""
     mm = make_manager()
     before = (mm.config, mm.usable_memory, mm.stats())
-    special = {"expandable_segments": not mm.config.expandable_segments,
-               "expandable_handle_size": 64 * MiB, "max_split_size": 64 * MiB,
-               "segments": "plain" if getattr(mm.config, "segments", None) != "plain" else "tight"}
-    value = special[name] if name in special else getattr(mm.config, name) * 2
+    special = {"expandable_segments": {name: not mm.config.expandable_segments},
+               "expandable_handle_size": {name: 64 * MiB}, "max_split_size": {name: 64 * MiB},
+               "segments": {name: "plain" if mm.config.segments != "plain" else "tight"},
+               "shared_group": {name: "another-group"},
+               "shared_budget": {"shared_group": "another-group", name: 0.5},
+               "shared_hand_back": {name: not mm.config.shared_hand_back}}
+    changes = special.get(name) or {name: getattr(mm.config, name) * 2}
     with pytest.raises(InvalidInputError, match=rf"{name} .*cannot|cannot.*{name} \("):
-        mm.reconfigure(**{name: value}, gpu_memory_fraction=0.5)
+        mm.reconfigure(**changes, gpu_memory_fraction=0.5)
     with pytest.raises(InvalidInputError, match=name):
-        mm.config = mm.config.replace(**{name: value})
+        mm.config = mm.config.replace(**changes)
     assert (mm.config, mm.usable_memory, mm.stats()) == before
 
 
