@@ -1,22 +1,24 @@
 """Expandable segments: large-pool segments whose pages are mapped, unmapped and moved.
 
-On by default on a device with virtual memory (cuda, sim; ``MemoryConfig(
-expandable_segments=False)`` or ``GPUMEM_EXPANDABLE_SEGMENTS=0`` turns it off), a large-pool miss
-does not ask the driver for a new segment. Each stream gets a reserved address range (as large
-as the manager's usable memory: address space costs nothing) that the pool sees as one segment;
-its memory is physical handles of at most ``MemoryConfig.expandable_handle_size`` bytes (whole
-pages of the device's VM granularity; by default one page; ``"growth"``: one per miss, see
-``_growth_step``), each mapped at one offset (``_Segment.maps``). The driver maps, unmaps and
-releases a handle whole, so the pool moves and trims whole handles only: larger handles cost
-fewer driver calls, but a handle that a live block touches can neither move nor go back (one
-page is the default: the only size that keeps every trace within its ratio target;
-docs/expandable_segments.md, "Handle size"). Inside a segment a range is live, free (mapped,
-cached) or unmapped (a hole: no physical memory; the pool's unmapped state, pool_pages.pyx).
+Used on a device with virtual memory (cuda, sim) unless ``MemoryConfig(segments="plain")``: a
+large-pool miss does not ask the driver for a new segment. Each stream gets a reserved address
+range (as large as the manager's usable memory: address space costs nothing) that the pool sees
+as one segment; its memory is physical handles, each mapped at one offset (``_Segment.maps``).
+The driver maps, unmaps and releases a handle whole, so the pool moves and trims whole handles
+only: larger handles cost fewer driver calls, but a handle that a live block touches can
+neither move nor go back. Inside a segment a range is live, free (mapped, cached) or unmapped
+(a hole: no physical memory; the pool's unmapped state, pool_pages.pyx).
+
+How large the handles are is the segment policy (``MemoryConfig.segment_policy``,
+docs/segments.md): ``tight`` makes handles of ``tight_handle_size`` (one page by default) and
+always compacts as below; ``fast`` makes one handle per miss (``_growth_step``) and never moves
+pages; ``auto``, the default, does what ``fast`` does while there is room and what ``tight``
+does near the limits (:meth:`ExpandableSegments._roomy` is the rule).
 
 A miss (:meth:`ExpandableSegments.grow`) asks the pool where mapping the fewest pages makes
 the request fit: into a hole joined with its free neighbours, or at the segment's end joined
-with its free tail. The pages come first from the free whole pages elsewhere in the stream's
-segments (**stitching**: whole free handles are unmapped there, leaving a hole, and mapped
+with its free tail. When it compacts, the pages come first from the free whole pages elsewhere
+in the stream's segments (**stitching**: whole free handles are unmapped there, leaving a hole, and mapped
 where the request needs them; no new physical memory; at a segment's end a moved handle may
 be larger than needed, the surplus becoming a free tail), and only the rest is created. All
 handles of one miss are mapped by one ``vm_map_many`` (a cuMemMap per handle, one
