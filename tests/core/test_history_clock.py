@@ -26,11 +26,12 @@ from invariants import sim_manager
 
 MS = 1_000_000
 # Bound on |event time - true time|: the ticker's 1 ms period plus its scheduling delay on a
-# loaded 2-core CI machine; the median must be much tighter.
+# loaded 2-core CI machine (53 ms seen once at a load of 7 on 2 cores, so 100 ms: still below
+# the 150 ms gaps a stale clock would misdate by); the median must be much tighter.
 # Under ci/sanitize.sh (GPUMEM_TEST_SANITIZED=1) the process runs several times slower and the
 # ticker thread waits longer for a CPU: the bounds are four times wider there.
 SLOWER = 4 if os.environ.get("GPUMEM_TEST_SANITIZED") else 1
-WORST_NS = 50 * MS * SLOWER
+WORST_NS = 100 * MS * SLOWER
 MEDIAN_NS = 10 * MS * SLOWER
 
 
