@@ -38,23 +38,29 @@ def all_modules() -> dict[str, Path]:
 
 
 _CY_IMPORT = re.compile(r"^(?:from\s+(gpumem[\w.]*)\s+(?:c?import)\s+(.+)|import\s+(gpumem[\w.]*))")
+_CY_ANY_IMPORT = re.compile(r"^\s*(?:from\s+(gpumem[\w.]*)\s+(?:c?import)\s+(.+)|"
+                            r"import\s+(gpumem[\w.]*))")
 
 
-def top_level_imports(path: Path) -> list[tuple[str, list[str]]]:
-    """(module, names) for each import that runs when ``path`` is imported."""
+def imports(path: Path, *, everywhere: bool = False) -> list[tuple[str, list[str]]]:
+    """(module, names) for each import that runs when ``path`` is imported (module level); with
+    ``everywhere``, also those inside functions (lazy) and under ``if TYPE_CHECKING:``, which a
+    reader or a type checker follows too."""
     src = path.read_text(encoding="utf-8")
-    if path.suffix == ".pyx":     # Cython: module-level lines only (no indentation)
+    if path.suffix == ".pyx":     # Cython: module-level lines are those without indentation
+        pattern = _CY_ANY_IMPORT if everywhere else _CY_IMPORT
         out = []
         for line in src.splitlines():
-            m = _CY_IMPORT.match(line)
+            m = pattern.match(line)
             if m and m.group(1):
                 names = [n.strip().split(" as ")[0] for n in m.group(2).strip("()").split(",")]
                 out.append((m.group(1), names))
             elif m:
                 out.append((m.group(3), []))
         return out
+    tree = ast.parse(src)
     out = []
-    for node in ast.parse(src).body:
+    for node in (ast.walk(tree) if everywhere else tree.body):
         if isinstance(node, ast.Import):
             out += [(a.name, []) for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -66,7 +72,7 @@ def import_graph() -> dict[str, set[str]]:
     mods = all_modules()
     graph: dict[str, set[str]] = {m: set() for m in mods}
     for mod, path in mods.items():
-        for target, names in top_level_imports(path):
+        for target, names in imports(path):
             if not target.startswith("gpumem") or target.split(".")[0] != "gpumem":
                 continue
             subs = [f"{target}.{n}" for n in names if f"{target}.{n}" in mods]
@@ -121,39 +127,14 @@ def test_the_checker_finds_a_cycle():
 
 
 # --- circles through every import, lazy and type-only included (issue 33) --------------------
-_CY_ANY_IMPORT = re.compile(r"^\s*(?:from\s+(gpumem[\w.]*)\s+(?:c?import)\s+(.+)|"
-                            r"import\s+(gpumem[\w.]*))")
-
-
-def every_import(path: Path) -> list[tuple[str, list[str]]]:
-    """(module, names) for each import anywhere in ``path``: at module level, inside functions
-    (lazy) and under ``if TYPE_CHECKING:``. A reader (or a type checker) follows them all."""
-    src = path.read_text(encoding="utf-8")
-    if path.suffix == ".pyx":
-        out = []
-        for line in src.splitlines():
-            m = _CY_ANY_IMPORT.match(line)
-            if m and m.group(1):
-                names = [n.strip().split(" as ")[0] for n in m.group(2).strip("()").split(",")]
-                out.append((m.group(1), names))
-            elif m:
-                out.append((m.group(3), []))
-        return out
-    out = []
-    for node in ast.walk(ast.parse(src)):
-        if isinstance(node, ast.Import):
-            out += [(a.name, []) for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            out.append((node.module, [a.name for a in node.names]))
-    return out
 
 
 def full_import_graph() -> dict[str, set[str]]:
-    """module -> the gpumem modules it names in any import (see :func:`every_import`)."""
+    """module -> the gpumem modules it names in any import (see :func:`imports` with ``everywhere``)."""
     mods = all_modules()
     graph: dict[str, set[str]] = {m: set() for m in mods}
     for mod, path in mods.items():
-        for target, names in every_import(path):
+        for target, names in imports(path, everywhere=True):
             if target.split(".")[0] != "gpumem":
                 continue
             subs = [f"{target}.{n}" for n in names if f"{target}.{n}" in mods]
@@ -242,7 +223,7 @@ def test_the_circle_finder_finds_circles(tmp_path):
           "def f():\n    import gpumem.observe.summary\n"
     probe = tmp_path / "probe.py"
     probe.write_text(src, encoding="utf-8")
-    assert every_import(probe) == [("gpumem.manager.memory_manager", ["MemoryManager"]),
+    assert imports(probe, everywhere=True) == [("gpumem.manager.memory_manager", ["MemoryManager"]),
                                    ("gpumem.observe.summary", [])]
 
 
