@@ -32,6 +32,15 @@ JOIN = 60.0
 CARD = "sim:256MiB"
 
 
+def stop_child(child, stop) -> None:
+    """Tell a spinning member to stop and join it (killed if it does not end in time)."""
+    stop.set()
+    child.join(JOIN)
+    if child.is_alive():
+        child.kill()
+        child.join(JOIN)
+
+
 @pytest.fixture
 def shared_dir(monkeypatch):
     """A private ledger folder (short, for the sockets' path limit) for this test only."""
@@ -105,11 +114,7 @@ def test_cached_memory_of_a_spinning_process_is_handed_back(shared_dir):
         finally:
             shared_budget.REPLY_WAIT = old
     finally:
-        stop.set()
-        child.join(JOIN)
-        if child.is_alive():
-            child.kill()
-            child.join(JOIN)
+        stop_child(child, stop)
 
 
 def test_sigkilled_member_share_is_free_within_a_second(shared_dir):
@@ -454,11 +459,7 @@ def test_a_stopped_member_delays_a_growth_by_a_bounded_time_only(shared_dir):
             finally:
                 shared_budget.REPLY_WAIT = old
     finally:
-        stop.set()
-        child.join(JOIN)
-        if child.is_alive():
-            child.kill()
-            child.join(JOIN)
+        stop_child(child, stop)
 
 
 @pytest.mark.parametrize("backend", ["sim", "cpu", "opencl", "cuda"])
