@@ -9,6 +9,11 @@ import numpy  # noqa: F401  (imported before pytester's in-process runs, which u
 #                          they import: numpy cannot be loaded twice in one process)
 import pytest
 
+try:        # likewise pyopencl: its nanobind extension aborts the process when loaded twice
+    import pyopencl  # noqa: F401  (the plug-in's device listing imports it in the inner run)
+except ImportError:
+    pass
+
 import gpumem_sim
 from gpumem.errors import InvalidInputError
 from gpumem.testing import parse_device_specs, map_to_backend
