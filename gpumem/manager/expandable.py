@@ -13,7 +13,7 @@ How large the handles are is the segment policy (``MemoryConfig.segment_policy``
 docs/segments.md): ``tight`` makes handles of ``tight_handle_size`` (one page by default) and
 always compacts as below; ``fast`` makes one handle per miss (``_growth_step``) and never moves
 pages; ``auto``, the default, does what ``fast`` does while there is room and what ``tight``
-does near the limits (:meth:`ExpandableSegments._roomy` is the rule).
+does near the limits (:meth:`ExpandableSegments._cheap_step` is the rule).
 
 A miss (:meth:`ExpandableSegments.grow`) asks the pool where mapping the fewest pages makes
 the request fit: into a hole joined with its free neighbours, or at the segment's end joined
@@ -166,7 +166,7 @@ class ExpandableSegments:
         self._dev = growth.device
         self.page = self._dev.vm_granularity()
         cfg = growth.config
-        #: MemoryConfig.segment_policy: "auto", "tight" or "fast" (see _roomy)
+        #: MemoryConfig.segment_policy: "auto", "tight" or "fast" (see _cheap_step)
         self.policy = cfg.segment_policy
         #: the handles of the tight regime (MemoryConfig.tight_handle_size; whole pages)
         self.handle_size = max(cfg.tight_handle_size // self.page, 1) * self.page
@@ -175,7 +175,7 @@ class ExpandableSegments:
         self.quantum = _round_up(cfg.large_segment, self.page)
         self.roomy_growths = 0                         # misses served the cheap way
         self.tight_growths = 0                         # misses served compacting
-        self.cache_high = 0                            # the most cached at a miss (_roomy)
+        self.cache_high = 0                            # the most cached at a miss (_cheap_step)
         self._segments: dict[int, _Segment] = {}     # handle -> segment
         self._by_stream: dict[int, list[int]] = {}   # stream -> its segments' handles, oldest first
         self.driver_calls = 0                          # vm_* calls made (figures, tests)
@@ -308,8 +308,9 @@ class ExpandableSegments:
         limits or the driver refuse; other errors propagate after the rollback."""
         pool = self._mm.pool
         room = seg.reserved - offset if at_end else None
-        free = self._dev.mem_get_info()[0] if self.policy == "auto" else None
-        roomy = self._roomy(size, request, room, free)
+        free = self._dev.mem_get_info()[0] if self.policy != "tight" else None
+        step = self._cheap_step(size, request, room, free)
+        roomy = step is not None
         # roomy: no page moves (a move costs the driver more than a new handle, H200 table)
         sources = [] if roomy else self._take_mappings(seg, size, stream, keep, room)
         moved = sum(n for _, _, n in sources)
@@ -324,8 +325,8 @@ class ExpandableSegments:
         if new:
             if free is None:
                 free = self._dev.mem_get_info()[0]
-            if at_end and roomy:
-                new = self._growth_step(new, request, room - moved, free)
+            if roomy:
+                new = step                  # nothing moved: the step computed for `size`
             if not self._mm.segment_allowed(new, pool.reserved_bytes, free):
                 self._refill(sources, stream)
                 return None
@@ -396,9 +397,10 @@ class ExpandableSegments:
         if not mm.segment_allowed(extra, mm.pool.reserved_bytes, free):
             return None
         size = _round_up(max(mm.usable_memory, extra), self.page)
-        roomy = self._roomy(extra, nbytes, size, free)
+        step = self._cheap_step(extra, nbytes, size, free)
+        roomy = step is not None
         if roomy:
-            extra = self._growth_step(extra, nbytes, size, free)
+            extra = step
             self.roomy_growths += 1
         else:
             self.tight_growths += 1
@@ -433,11 +435,13 @@ class ExpandableSegments:
         self.segment_events += 1
         return buf
 
-    def _roomy(self, need: int, request: int, room: int | None, free: int | None) -> bool:
-        """Whether a miss that maps ``need`` bytes is served the cheap way (one handle, no
-        page moves, no release before growing) rather than compacting (pages moved into the
-        gap, one-page handles that can move and go back later). ``fast`` always, ``tight``
-        never. ``auto`` while both hold (docs/segments.md, "The rule"):
+    def _cheap_step(self, need: int, request: int, room: int | None, free: int | None
+                    ) -> int | None:
+        """The bytes of the one handle a miss that maps ``need`` bytes makes when it is served
+        the cheap way (no page moves, no release before growing; ``_growth_step`` at a
+        segment's end, ``need`` in a hole); None when it compacts instead (pages moved into
+        the gap, one-page handles that can move and go back later). ``fast`` always cheap,
+        ``tight`` never. ``auto`` cheap while both hold (docs/segments.md, "The rule"):
 
         - the room left after the growth could still hold the largest cache this manager has
           had (its workload's own measure of what its shapes leave free at once): until then
@@ -445,16 +449,19 @@ class ExpandableSegments:
         - the handle is at most ROOMY_HANDLE_SHARE of the room left: a handle moves and goes
           back only whole, so one that a live block pins strands at most its own size.
         """
-        if self.policy != "auto":
-            return self.policy == "fast"
+        if self.policy == "tight":
+            return None
+        step = self._growth_step(need, request, room, free) if room is not None else need
+        if self.policy == "fast":
+            return step
         mm = self._mm
         pool = mm.pool
         cache = pool.reserved_bytes - pool.in_use_bytes
         if cache > self.cache_high:
             self.cache_high = cache
-        step = self._growth_step(need, request, room, free) if room is not None else need
         left = min(mm.usable_memory - pool.reserved_bytes, free - mm.config.min_free_bytes)
-        return left - step >= self.cache_high and step <= left * ROOMY_HANDLE_SHARE
+        return step if left - step >= self.cache_high and step <= left * ROOMY_HANDLE_SHARE \
+            else None
 
     def _growth_step(self, new: int, request: int, room: int, free: int) -> int:
         """Bytes of the one handle a cheap miss makes at a segment's end (``new`` are needed,
