@@ -11,9 +11,9 @@ neither move nor go back. Inside a segment a range is live, free (mapped, cached
 
 How large the handles are is the segment policy (``MemoryConfig.segment_policy``,
 docs/segments.md): ``tight`` makes handles of ``tight_handle_size`` (one page by default) and
-always compacts as below; ``fast`` makes one handle per miss (``_growth_step``) and never moves
+always compacts as below; ``fast`` makes one handle per miss and never moves
 pages; ``auto``, the default, does what ``fast`` does while there is room and what ``tight``
-does near the limits (:meth:`ExpandableSegments._cheap_step` is the rule).
+does near the limits (:mod:`gpumem.manager.handle_sizing` holds the rule).
 
 A miss (:meth:`ExpandableSegments.grow`) asks the pool where mapping the fewest pages makes
 the request fit: into a hole joined with its free neighbours, or at the segment's end joined
@@ -58,11 +58,12 @@ from typing import TYPE_CHECKING, Any
 
 from gpumem.config import HANDLE_PER_GROWTH
 from gpumem.errors import DriverError, DriverOutOfMemory, InvalidInputError
+from gpumem.manager.handle_sizing import HandleSizing
 
 if TYPE_CHECKING:
     from gpumem.manager.growth import Growth
 
-__all__ = ["ExpandableSegments", "STITCH_RATIO", "ROOMY_HANDLE_SHARE"]
+__all__ = ["ExpandableSegments", "STITCH_RATIO"]
 
 # Per-page driver costs (the published A100 figures, gpumem_sim CUDA_DRIVER_COSTS_A100, 2 MiB
 # pages, in us): making a page where a request needs it costs cuMemCreate + cuMemMap +
@@ -85,12 +86,6 @@ _MOVE_US = 25.63 + 1.45 + 35.99
 #: 2.21 with the table above. docs/expandable_segments.md shows the figures for other values.
 STITCH_RATIO = _CREATE_US / (_CREATE_US - 2 * _MOVE_US)
 
-
-#: ``segments="auto"``: a cheap growth's handle is at most this share of the room left. A
-#: handle is moved or given back only whole, so one that a live block pins strands its whole
-#: size; 1/32 keeps such a handle within 3 % of what is left, the margin auto may need on a
-#: card beyond what the tight policy needs (issue 31's bound; a design bound, not fitted)
-ROOMY_HANDLE_SHARE = 1 / 32
 
 #: plans tried for one miss before it is left to the OOM ladder (a concurrent hit took the
 #: free neighbours each time)
@@ -165,17 +160,11 @@ class ExpandableSegments:
         self._mm = growth                   # the manager's segment growth (its Growth calls)
         self._dev = growth.device
         self.page = self._dev.vm_granularity()
-        cfg = growth.config
-        #: MemoryConfig.segment_policy: "auto", "tight" or "fast" (see _cheap_step)
-        self.policy = cfg.segment_policy
-        #: the handles of the tight regime (MemoryConfig.tight_handle_size; whole pages)
-        self.handle_size = max(cfg.tight_handle_size // self.page, 1) * self.page
-        #: the roomy regime grows in multiples of a plain large segment (20 MiB by default,
-        #: PyTorch's large page): as many growths as plain segments make cuMemAllocs
-        self.quantum = _round_up(cfg.large_segment, self.page)
+        #: how large the handles are and when to compact (MemoryConfig.segment_policy)
+        self.sizing = HandleSizing(growth, self.page)
+        self.policy = self.sizing.policy               # "auto", "tight" or "fast"
         self.roomy_growths = 0                         # misses served the cheap way
         self.tight_growths = 0                         # misses served compacting
-        self.cache_high = 0                            # the most cached at a miss (_cheap_step)
         self._segments: dict[int, _Segment] = {}     # handle -> segment
         self._by_stream: dict[int, list[int]] = {}   # stream -> its segments' handles, oldest first
         self.driver_calls = 0                          # vm_* calls made (figures, tests)
@@ -309,7 +298,7 @@ class ExpandableSegments:
         pool = self._mm.pool
         room = seg.reserved - offset if at_end else None
         free = self._dev.mem_get_info()[0] if self.policy != "tight" else None
-        step = self._cheap_step(size, request, room, free)
+        step = self.sizing.cheap_step(size, request, room, free)
         roomy = step is not None
         # roomy: no page moves (a move costs the driver more than a new handle, H200 table)
         sources = [] if roomy else self._take_mappings(seg, size, stream, keep, room)
@@ -344,7 +333,7 @@ class ExpandableSegments:
                 handle, _ = src.take(off)
                 loose.append((handle, n, (src, off, n)))
                 done += 1
-            for n in self._handle_sizes(new, roomy):
+            for n in self.sizing.handle_sizes(new, roomy):
                 loose.append((self._call(self._dev.vm_create, n), n, None))
             # one call maps every handle of the range (moved ones first, then the new one)
             # and grants access to the range at once; on failure none of them is mapped
@@ -397,7 +386,7 @@ class ExpandableSegments:
         if not mm.segment_allowed(extra, mm.pool.reserved_bytes, free):
             return None
         size = _round_up(max(mm.usable_memory, extra), self.page)
-        step = self._cheap_step(extra, nbytes, size, free)
+        step = self.sizing.cheap_step(extra, nbytes, size, free)
         roomy = step is not None
         if roomy:
             extra = step
@@ -409,10 +398,10 @@ class ExpandableSegments:
         except DriverOutOfMemory:
             return None
         seg = _Segment(address, size, stream,
-                       track_bounds=self.policy != "tight" or self.handle_size > self.page)
+                       track_bounds=self.sizing.tracks_bounds)
         created: list[tuple[int, int]] = []
         try:
-            for n in self._handle_sizes(extra, roomy):
+            for n in self.sizing.handle_sizes(extra, roomy):
                 created.append((self._call(self._dev.vm_create, n), n))
             self._map_many(address, created)
         except BaseException as exc:
@@ -434,56 +423,6 @@ class ExpandableSegments:
         self._by_stream.setdefault(stream, []).append(address)
         self.segment_events += 1
         return buf
-
-    def _cheap_step(self, need: int, request: int, room: int | None, free: int | None
-                    ) -> int | None:
-        """The bytes of the one handle a miss that maps ``need`` bytes makes when it is served
-        the cheap way (no page moves, no release before growing; ``_growth_step`` at a
-        segment's end, ``need`` in a hole); None when it compacts instead (pages moved into
-        the gap, one-page handles that can move and go back later). ``fast`` always cheap,
-        ``tight`` never. ``auto`` cheap while both hold (docs/segments.md, "The rule"):
-
-        - the room left after the growth could still hold the largest cache this manager has
-          had (its workload's own measure of what its shapes leave free at once): until then
-          the cache does not decide whether the workload fits, so squeezing it buys nothing;
-        - the handle is at most ROOMY_HANDLE_SHARE of the room left: a handle moves and goes
-          back only whole, so one that a live block pins strands at most its own size.
-        """
-        if self.policy == "tight":
-            return None
-        step = self._growth_step(need, request, room, free) if room is not None else need
-        if self.policy == "fast":
-            return step
-        mm = self._mm
-        pool = mm.pool
-        cache = pool.reserved_bytes - pool.in_use_bytes
-        if cache > self.cache_high:
-            self.cache_high = cache
-        left = min(mm.usable_memory - pool.reserved_bytes, free - mm.config.min_free_bytes)
-        return step if left - step >= self.cache_high and step <= left * ROOMY_HANDLE_SHARE \
-            else None
-
-    def _growth_step(self, new: int, request: int, room: int, free: int) -> int:
-        """Bytes of the one handle a cheap miss makes at a segment's end (``new`` are needed,
-        ``room`` fit in the reservation): at least what a plain segment would hold for the
-        request (for one below ``large_threshold``, which plain segments share with others
-        of its size), rounded up to the quantum (a plain large segment), so that growths are
-        as few as plain segments' cuMemAllocs and the surplus is at most one quantum. ``new``
-        when the limits would refuse the larger handle but not it."""
-        pool = self._mm.pool
-        shared = pool.segment_size(request)
-        want = max(new, shared if shared > pool.round_size(request) else 0)
-        bigger = min(_round_up(want, self.quantum), room)
-        if bigger > new and not self._mm.segment_allowed(bigger, pool.reserved_bytes, free):
-            return new
-        return max(bigger, new)
-
-    def _handle_sizes(self, nbytes: int, roomy: bool) -> list[int]:
-        """The sizes of the handles that new memory of ``nbytes`` (whole pages) is made of:
-        one when the miss is roomy, else handles of the tight regime's size."""
-        if roomy:
-            return [nbytes] if nbytes else []
-        return [min(self.handle_size, nbytes - o) for o in range(0, nbytes, self.handle_size)]
 
     def _unreserve(self, seg: _Segment) -> None:
         """Undo a new segment the pool never saw: its mappings, then its reservation."""

@@ -323,7 +323,7 @@ def test_the_handle_size_is_checked_and_read_from_the_environment():
     for asked, made in ((0, PAGE), (PAGE - 1, PAGE), (5 * MiB, 4 * MiB), (20 * MiB, 20 * MiB)):
         _, mm = sim_manager("256MiB", segments="tight", expandable_handle_size=asked)
         try:
-            assert mm._expandable.handle_size == made
+            assert mm._expandable.sizing.handle_size == made
         finally:
             mm.close()
 

@@ -12,7 +12,7 @@ import pytest
 import gpumem_sim
 from gpumem import MemoryConfig, MemoryManager
 from gpumem.errors import InvalidInputError
-from gpumem.manager.expandable import ROOMY_HANDLE_SHARE
+from gpumem.manager.handle_sizing import ROOMY_HANDLE_SHARE
 from gpumem.units import MiB
 from invariants import check, sim_manager
 from vm_managers import fill, intact, random_walk, refusing_nth, vm  # noqa: F401
