@@ -311,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"capacity={args.capacity} fail_rate={args.fail_rate} "
           f"cpu_fallback={args.cpu_fallback} seed={args.seed} "
           f"expandable={'default' if args.expandable is None else args.expandable} "
-          f"handle_size={args.handle_size or 'default (auto)'}: {res}")
+          f"handle_size={args.handle_size or ('-' if args.expandable is False else 'default (auto)')}: {res}")
     for f in res.failures[:20]:
         print("  " + f)
     return 1 if res.failures else 0
