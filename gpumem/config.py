@@ -220,7 +220,10 @@ class MemoryConfig:
 
     def _resolve_segments(self) -> tuple[str, int]:
         """``(policy, handle bytes of the tight policy, 0: one page)`` from ``segments`` and
-        the two older settings; InvalidInputError when they contradict each other."""
+        the two older settings. An older setting set explicitly names the policy over
+        ``auto`` and ``plain`` (``expandable_segments=True`` over plain: auto); one that
+        contradicts ``tight`` or ``fast`` (or False with a handle size) is an
+        InvalidInputError."""
         seg, on, handle = self.segments, self.expandable_segments, self.expandable_handle_size
         if seg not in SEGMENT_POLICIES:
             raise InvalidInputError(f"segments must be one of {', '.join(SEGMENT_POLICIES)}, "

@@ -56,7 +56,6 @@ from bisect import bisect_left, insort
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from gpumem.config import HANDLE_PER_GROWTH
 from gpumem.errors import DriverError, DriverOutOfMemory, InvalidInputError
 from gpumem.manager.handle_sizing import HandleSizing
 
@@ -162,7 +161,6 @@ class ExpandableSegments:
         self.page = self._dev.vm_granularity()
         #: how large the handles are and when to compact (MemoryConfig.segment_policy)
         self.sizing = HandleSizing(growth, self.page)
-        self.policy = self.sizing.policy               # "auto", "tight" or "fast"
         self.roomy_growths = 0                         # misses served the cheap way
         self.tight_growths = 0                         # misses served compacting
         self._segments: dict[int, _Segment] = {}     # handle -> segment
@@ -297,7 +295,7 @@ class ExpandableSegments:
         limits or the driver refuse; other errors propagate after the rollback."""
         pool = self._mm.pool
         room = seg.reserved - offset if at_end else None
-        free = self._dev.mem_get_info()[0] if self.policy != "tight" else None
+        free = self._dev.mem_get_info()[0] if self.sizing.policy != "tight" else None
         step = self.sizing.cheap_step(size, request, room, free)
         roomy = step is not None
         # roomy: no page moves (a move costs the driver more than a new handle, H200 table)

@@ -66,7 +66,8 @@ class Growth(Protocol):
                              stream: int, tag: Any) -> Buffer: ...
     def alloc_in_grown_segment(self, handle: int, extra: int, nbytes: int, stream: int,
                                tag: Any) -> Buffer | None: ...
-    def segment_allowed(self, seg_size: int, reserved: int, free: int) -> bool: ...
+    def segment_allowed(self, seg_size: int, reserved: int, free: int, *,
+                        ask_others: bool = True) -> bool: ...
     def release_cached(self, max_bytes: int | None = None, *, reason: str = "",
                        small: bool | None = None) -> int: ...
     def release_segments(self, segments: Sequence[tuple]) -> int: ...
@@ -194,15 +195,17 @@ class SegmentGrowth:
             return handle, base, size
         return None
 
-    def segment_allowed(self, seg_size: int, reserved: int, free: int) -> bool:
+    def segment_allowed(self, seg_size: int, reserved: int, free: int, *,
+                        ask_others: bool = True) -> bool:
         """Whether ``seg_size`` more bytes stay within usable memory (``reserved`` held now),
         leave ``min_free_bytes`` of the driver's ``free`` and (in a shared group) stay within
-        the group's budget, the others asked to hand back cached memory first."""
+        the group's budget, the others asked to hand back cached memory first unless
+        ``ask_others`` is False (a larger size that is only worth having if it is free now)."""
         if reserved + seg_size > self.usable_memory:
             return False
         if self.shared is not None:           # the group's budget; others may hand back cache
             return self.shared.allow(seg_size, reserved, free, self.config.min_free_bytes,
-                                     lambda: self.device.mem_get_info()[0])
+                                     lambda: self.device.mem_get_info()[0], ask=ask_others)
         return free - seg_size >= self.config.min_free_bytes
 
     def _check_fragmentation(self, nbytes: int) -> None:

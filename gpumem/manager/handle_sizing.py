@@ -86,7 +86,9 @@ class HandleSizing:
         shared = pool.segment_size(request)
         want = max(new, shared if shared > pool.round_size(request) else 0)
         bigger = min(_round_up(want, self.quantum), room)
-        if bigger > new and not self._growth.segment_allowed(bigger, pool.reserved_bytes, free):
+        # rounding up is worth it only if the room is there now: no other process is asked
+        if bigger > new and not self._growth.segment_allowed(bigger, pool.reserved_bytes, free,
+                                                             ask_others=False):
             return new
         return max(bigger, new)
 

@@ -233,13 +233,14 @@ class SharedBudget:
         self._asked.clear()
 
     def allow(self, seg_size: int, reserved: int, free: int, min_free: int,
-              device_free: Callable[[], int]) -> bool:
+              device_free: Callable[[], int], *, ask: bool = True) -> bool:
         """Whether this member may hold ``reserved + seg_size`` bytes: within the budget, and
         leaving ``min_free`` of the device's ``free`` memory (``device_free()`` reads it
         again). When allowed the bytes are claimed in the slot at once (``sync`` sets the true
         figure later). When not: dead members are reaped, then (with hand-back on) the others
         are asked to release cached memory, given up to REPLY_WAIT to answer, and both limits
-        are checked again."""
+        are checked again. Without ``ask`` (a size only worth having if it is free now) it
+        neither reaps nor asks: False at once."""
         device_fits = free - seg_size >= min_free
         if not self.active:
             return device_fits
@@ -247,6 +248,8 @@ class SharedBudget:
         with self._ledger.locked() as ledger:
             if device_fits and self._claim(ledger, need):
                 return True
+            if not ask:
+                return False
             reaped = ledger.reap()                # a dead member's share is free at once
         self._forget_sockets(reaped)
         if reaped and not device_fits:            # (never read the device under the lock:

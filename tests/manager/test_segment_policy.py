@@ -184,3 +184,24 @@ def test_a_shared_card_makes_auto_compact_early():
     assert mm._expandable.tight_growths == 1
     buf.free()
     mm.close()
+
+
+def test_rounding_up_never_asks_other_processes(monkeypatch):
+    """The quantum a cheap growth rounds up to is only worth having if it is free now: its
+    check never asks the members of a shared group to hand memory back (that costs them a
+    trim and this miss up to REPLY_WAIT); the size the miss needs is still checked with
+    asking allowed."""
+    dev, mm = sim_manager("8GiB", segments="auto")
+    growth = mm._growth
+    real = growth.segment_allowed
+    calls = []
+
+    def recording(seg_size, reserved, free, *, ask_others=True):
+        calls.append((seg_size, ask_others))
+        return real(seg_size, reserved, free, ask_others=ask_others)
+    monkeypatch.setattr(growth, "segment_allowed", recording)
+    buf = mm.malloc(30 * MiB)                   # needs 30 MiB, rounded up to 40 MiB
+    assert (40 * MiB, False) in calls
+    assert all(ask for size, ask in calls if size != 40 * MiB)
+    buf.free()
+    mm.close()
