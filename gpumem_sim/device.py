@@ -444,11 +444,12 @@ class SimDevice(SimStreams, VirtualMemory, ModeledDriverTime, SharedCardUser, De
                     code=SIM_ERROR_INJECTED[0], code_name=SIM_ERROR_INJECTED[1])
                 exc.injected = True  # type: ignore[attr-defined]
                 raise exc
+            if self._card is not None:
+                # first: a card that raises (its ledger's lock) leaves the segment allocated
+                self._card.charge(-seg.reserved)
             del self._segments[h]
             self._ranges.free(seg.offset, seg.reserved)
             self._live_bytes -= seg.reserved
-            if self._card is not None:
-                self._card.charge(-seg.reserved)
             if seg.store is not None:
                 seg.store.close()
                 seg.store = None

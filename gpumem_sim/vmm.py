@@ -397,10 +397,11 @@ class VirtualMemory:
                                   f"allocated")
                 exc.injected = True  # type: ignore[attr-defined]
                 raise exc
+            if self._card is not None:
+                # first: a card that raises (its ledger's lock) leaves the page allocated
+                self._card.charge(-page.nbytes)
             del self._pages[handle]
             self._live_bytes -= page.nbytes
-            if self._card is not None:
-                self._card.charge(-page.nbytes)
             if page.store is not None:
                 page.store.close()
             self._vm_log("release", page.nbytes, handle)

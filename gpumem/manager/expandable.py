@@ -170,6 +170,12 @@ class ExpandableSegments:
         self.stitched_bytes = 0                        # mapped memory moved instead of created
         self.stitch_syncs = 0                          # synchronize() before moves or trims
         self._held: list[tuple[int, int]] = []        # (handle, bytes) the driver would not free
+        #: bytes of the mappings a growth took out of the pool's count to move them (still
+        #: allocated on the device until they are mapped at their target and filled)
+        self._moving = 0
+        #: segments the pool detached whose mappings or reservation could not all be given
+        #: back (an error while releasing them): retried with the held handles
+        self._orphans: list[_Segment] = []
 
     # --- queries ---------------------------------------------------------------------------------
     def owns(self, handle: int) -> bool:
@@ -301,9 +307,25 @@ class ExpandableSegments:
         # roomy: no page moves (a move costs the driver more than a new handle, H200 table)
         sources = [] if roomy else self._take_mappings(seg, size, stream, keep, room)
         moved = sum(n for _, _, n in sources)
+        # the carve lowered pool.reserved_bytes, but the device still holds these pages and
+        # the manager holds them again once they are mapped here: they count (held_bytes)
+        self._moving = moved
+        try:
+            return self._map_taken(seg, offset, size, stream, sources, moved, step, free)
+        finally:
+            self._moving = 0
+
+    def _map_taken(self, seg: _Segment, offset: int, size: int, stream: int,
+                   sources: list[_Taken], moved: int, step: int | None,
+                   free: int | None) -> int | None:
+        """_map_range once the mappings to move are taken: check the limits against what the
+        manager holds after the step (what it holds now, the moved pages included, plus the
+        new handles), then map."""
+        pool = self._mm.pool
+        roomy = step is not None
         new = max(size - moved, 0)
         if (new and not roomy and self._mm.config.release_before_grow
-                and pool.reserved_bytes + new > pool.peak_reserved_bytes):
+                and self._mm.device_bytes() + new > pool.peak_reserved_bytes):
             # past the high-water mark: idle small-pool segments go back to the device first
             # (the large pool cannot use them); release_before_grow's rule across the pools
             if self._mm.release_cached(new, reason="release before expandable growth",
@@ -314,7 +336,7 @@ class ExpandableSegments:
                 free = self._dev.mem_get_info()[0]
             if roomy:
                 new = step                  # nothing moved: the step computed for `size`
-            if not self._mm.segment_allowed(new, pool.reserved_bytes, free):
+            if not self._mm.segment_allowed(new, self._mm.device_bytes(), free):
                 self._refill(sources, stream)
                 return None
         if roomy:
@@ -360,15 +382,17 @@ class ExpandableSegments:
                 src, off, _ = origin
                 try:
                     self._call(self._dev.vm_map, src.address + off, n, handle)
-                except DriverError:
+                except Exception:                   # noqa: BLE001 (a rollback goes on)
                     pass                            # released below: it stays a hole
                 else:
                     src.add(off, handle, n)
                     back.append(origin)
                     continue
             unplaced.append((handle, n))
-        self._release_handles(unplaced)
-        self._refill(back, stream)
+        try:
+            self._release_handles(unplaced)
+        finally:
+            self._refill(back, stream)
 
     def _refill(self, taken: list[_Taken], stream: int) -> None:
         """Carved mappings that are still (or again) mapped become free blocks again."""
@@ -381,7 +405,7 @@ class ExpandableSegments:
         mm = self._mm
         extra = _round_up(mm.pool.round_size(nbytes), self.page)
         free, _ = self._dev.mem_get_info()
-        if not mm.segment_allowed(extra, mm.pool.reserved_bytes, free):
+        if not mm.segment_allowed(extra, mm.device_bytes(), free):
             return None
         size = _round_up(max(mm.usable_memory, extra), self.page)
         step = self.sizing.cheap_step(extra, nbytes, size, free)
@@ -424,8 +448,7 @@ class ExpandableSegments:
 
     def _unreserve(self, seg: _Segment) -> None:
         """Undo a new segment the pool never saw: its mappings, then its reservation."""
-        self._unmap_release(seg, sorted((o, n) for o, (_, n) in seg.maps.items()))
-        self._call(self._dev.vm_free, seg.address, seg.reserved)
+        self._give_back(seg)
 
     def _call(self, fn: Any, *args: Any) -> Any:
         self.driver_calls += 1
@@ -534,55 +557,79 @@ class ExpandableSegments:
     def _release_handles(self, handles: list[tuple[int, int]]) -> int:
         """vm_release each unmapped ``(handle, bytes)``; the bytes released. A handle the
         driver refuses to free is held (unmapped, still allocated) and freed again by the next
-        trim or close()."""
+        trim or close(). Exception-safe: whatever a release raises, every handle is tried and
+        each one not freed is held; an error other than the driver's refusal is raised once
+        they all are accounted."""
         refused = []
         freed = 0
-        error: DriverError | None = None
+        error: BaseException | None = None
         for handle, n in handles:
             try:
                 self._call(self._dev.vm_release, handle)
-            except DriverError as exc:
-                refused.append((handle, n))
-                error = exc
+            except BaseException as exc:
+                refused.append((handle, n))        # not known to be freed: held, retried
+                if error is None or isinstance(error, DriverError):
+                    error = exc
             else:
                 freed += n
         if refused:
             self._held.extend(refused)
+            if not isinstance(error, DriverError):
+                raise error                         # type: ignore[misc]
             warnings.warn(f"gpumem: {self._dev.device_string} refused to free "
                           f"{len(refused)} page handle(s) ({error}); they stay allocated and "
                           f"are freed again by the next trim or close()", RuntimeWarning)
         return freed
 
     def release_held(self) -> int:
-        """Free the handles the driver refused to free before; the bytes freed now (the ones
-        it refuses again stay held, without a new warning)."""
+        """Free the handles the driver refused to free before, and give back what is left of
+        segments whose release failed part-way; the bytes freed now. What fails again stays
+        held (a driver refusal without a new warning; another error is raised once every
+        handle was tried)."""
         held, self._held = self._held, []
+        orphans, self._orphans = self._orphans, []
         freed = 0
+        error: BaseException | None = None
         for handle, n in held:
             try:
                 self._call(self._dev.vm_release, handle)
-            except DriverError:
+            except BaseException as exc:
                 self._held.append((handle, n))
+                if not isinstance(exc, DriverError) and error is None:
+                    error = exc
             else:
                 freed += n
+        for seg in orphans:
+            try:
+                freed += self._give_back(seg, warn=False)
+            except BaseException as exc:            # an orphan again
+                if error is None:
+                    error = exc
+        if error is not None:
+            raise error
         return freed
 
     @property
     def held_pages(self) -> int:
-        """Handles unmapped but not yet freed: the driver refused to free them (retried
-        later)."""
-        return len(self._held)
+        """Handles not given back yet, retried later: unmapped ones the driver refused to
+        free, and those of segments whose release failed part-way (their reservation counts
+        as one)."""
+        return len(self._held) + sum(len(s.maps) or 1 for s in self._orphans)
 
     @property
     def held_bytes(self) -> int:
-        """The bytes of the held handles: the device still holds them (MemoryStats.held_bytes)."""
-        return sum(n for _, n in self._held)
+        """Bytes the device holds for this manager that the pool does not count
+        (MemoryStats.held_bytes): the held handles, and, while a growth runs, the pages it is
+        moving (taken out of the pool's count until they are mapped at their target)."""
+        return (sum(n for _, n in self._held) + sum(s.mapped for s in self._orphans)
+                + self._moving)
 
     def release(self, handle: int) -> int:
         """A segment without live blocks that the pool detached: unmap and release its
-        mappings, free its reservation. Returns the bytes freed. A driver refusal warns: a
-        handle it refuses to free is held for a retry; one it refuses to unmap, and the
-        reservation then, are lost to this manager (the driver still holds them)."""
+        mappings, free its reservation. Returns the bytes freed. What fails stays counted
+        (held_bytes) and is retried by the next trim or close(): a handle the driver refuses
+        to free is held; a segment whose mappings or reservation could not all be given back
+        is kept for the retry. A driver refusal warns; another error is raised after."""
         seg = self._segments.pop(handle)
         self.segment_events += 1
         handles = self._by_stream.get(seg.stream, [])
@@ -590,13 +637,34 @@ class ExpandableSegments:
             handles.remove(handle)
             if not handles:
                 del self._by_stream[seg.stream]
+        return self._give_back(seg)
+
+    def _give_back(self, seg: _Segment, *, warn: bool = True) -> int:
+        """Unmap and release ``seg``'s mappings, then free its reservation; the bytes freed.
+        On any error what is left of ``seg`` joins the orphans that release_held retries: a
+        driver refusal warns (when ``warn``), another error is raised."""
         freed = 0
+        error: BaseException | None = None
         try:
             freed = self._unmap_release(seg, sorted((o, n) for o, (_, n) in seg.maps.items()))
-            self._call(self._dev.vm_free, seg.address, seg.reserved)
-        except DriverError as exc:
-            warnings.warn(f"gpumem: {self._dev.device_string} refused to unmap or free an "
-                          f"expandable segment ({exc})", RuntimeWarning)
+        except BaseException as exc:
+            error = exc
+        kept = True
+        if not seg.maps:        # all unmapped (their handles freed or held): the range goes
+            try:
+                self._call(self._dev.vm_free, seg.address, seg.reserved)
+                kept = False
+            except BaseException as exc:
+                error = error or exc
+        if error is not None:
+            if kept:
+                self._orphans.append(seg)
+            if not isinstance(error, DriverError):
+                raise error
+            if warn and kept:
+                warnings.warn(f"gpumem: {self._dev.device_string} refused to unmap or free an "
+                              f"expandable segment ({error}); it is given back again by the "
+                              f"next trim or close()", RuntimeWarning)
         return freed
 
 

@@ -66,6 +66,7 @@ class Growth(Protocol):
                              stream: int, tag: Any) -> Buffer: ...
     def alloc_in_grown_segment(self, handle: int, extra: int, nbytes: int, stream: int,
                                tag: Any) -> Buffer | None: ...
+    def device_bytes(self) -> int: ...
     def segment_allowed(self, seg_size: int, reserved: int, free: int, *,
                         ask_others: bool = True) -> bool: ...
     def release_cached(self, max_bytes: int | None = None, *, reason: str = "",
@@ -179,7 +180,7 @@ class SegmentGrowth:
             # the small pool cannot use the large pool's free pages, but they can go back
             # to the device first: the high-water mark stays where it is
             self.expandable.trim(preferred)
-        reserved = pool.reserved_bytes
+        reserved = self.device_bytes()
         free, _ = self.device.mem_get_info()
         for size in dict.fromkeys(sizes):
             if not self.segment_allowed(size, reserved, free):
@@ -195,9 +196,20 @@ class SegmentGrowth:
             return handle, base, size
         return None
 
+    def device_bytes(self) -> int:
+        """The bytes this manager takes from the device now: the pool's ``reserved_bytes``
+        plus the pages it does not count (``ExpandableSegments.held_bytes``: pages a growth is
+        moving between segments, handles the driver refused to free). Every limit check adds
+        the bytes a step takes to this figure (``segment_allowed``'s ``reserved``), so it sees
+        what the manager holds after the step, page moves included."""
+        expandable = self.expandable
+        return self.pool.reserved_bytes + (expandable.held_bytes if expandable is not None
+                                           else 0)
+
     def segment_allowed(self, seg_size: int, reserved: int, free: int, *,
                         ask_others: bool = True) -> bool:
-        """Whether ``seg_size`` more bytes stay within usable memory (``reserved`` held now),
+        """Whether ``seg_size`` more bytes stay within usable memory (``reserved`` held now:
+        :meth:`device_bytes`, never the pool's count alone),
         leave ``min_free_bytes`` of the driver's ``free`` and (in a shared group) stay within
         the group's budget, the others asked to hand back cached memory first unless
         ``ask_others`` is False (a larger size that is only worth having if it is free now)."""
@@ -238,19 +250,32 @@ class SegmentGrowth:
 
     # --- giving memory back ----------------------------------------------------------------------
     def release_segments(self, segments: Sequence[tuple]) -> int:
-        """Return detached segments to the driver; a refused one goes back into the pool."""
+        """Return detached segments to the driver; a refused one goes back into the pool
+        (an expandable one is kept for a retry). Exception-safe: whatever a release raises,
+        every segment is given back or kept, and an error other than the driver's refusal is
+        raised after that."""
         released = 0
+        error: BaseException | None = None
         for handle, base, size, is_small, stream in segments:
-            if self.expandable is not None and self.expandable.owns(handle):
-                released += self.expandable.release(handle)
-                continue
             try:
-                self.device.free_segment(handle)
-                released += size
+                if self.expandable is not None and self.expandable.owns(handle):
+                    released += self.expandable.release(handle)   # keeps what it could not
+                    continue
+                try:
+                    self.device.free_segment(handle)
+                    released += size
+                except BaseException:
+                    self.pool.restore_segment(handle, base, size, is_small, stream)
+                    raise
             except DriverError as exc:
-                self.pool.restore_segment(handle, base, size, is_small, stream)
                 warnings.warn(f"gpumem: {self.device.device_string} refused to free a segment "
                               f"({exc}); it stays cached", RuntimeWarning)
+            except BaseException as exc:
+                error = error or exc
+        if error is not None:
+            if released:
+                self.reserved_changed()
+            raise error
         if released:
             log.debug("released %s of cached segments on %s", format_bytes(released),
                       self.device.device_string)
@@ -309,16 +334,20 @@ class SegmentGrowth:
         except Exception as exc:  # close() always goes on to return the segments
             warnings.warn(f"gpumem: synchronize failed while closing: {exc}", RuntimeWarning)
         for handle in self.pool.live_segment_handles():
-            if self.expandable is not None and self.expandable.owns(handle):
-                self.expandable.release(handle)
-                continue
             try:
-                self.device.free_segment(handle)
+                if self.expandable is not None and self.expandable.owns(handle):
+                    self.expandable.release(handle)     # keeps what it could not give back
+                else:
+                    self.device.free_segment(handle)
             except Exception as exc:  # keep returning the others
                 warnings.warn(f"gpumem: could not free segment {handle:#x} on close: {exc}",
                               RuntimeWarning)
         if self.expandable is not None:
-            self.expandable.release_held()       # pages the driver refused to free before
+            try:
+                self.expandable.release_held()   # pages the driver refused to free before
+            except Exception as exc:  # noqa: BLE001 (close() goes on; they stay held)
+                warnings.warn(f"gpumem: could not free held pages on close: {exc}",
+                              RuntimeWarning)
             if self.expandable.held_pages:
                 warnings.warn(f"gpumem: {self.device.device_string} still refuses to free "
                               f"{self.expandable.held_pages} page handle(s) on close",

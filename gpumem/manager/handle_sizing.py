@@ -70,7 +70,7 @@ class HandleSizing:
         cache = pool.reserved_bytes - pool.in_use_bytes
         if cache > self.cache_high:
             self.cache_high = cache
-        left = min(growth.usable_memory - pool.reserved_bytes,
+        left = min(growth.usable_memory - growth.device_bytes(),
                    free - growth.config.min_free_bytes)
         return step if left - step >= self.cache_high and step <= left * ROOMY_HANDLE_SHARE \
             else None
@@ -87,8 +87,8 @@ class HandleSizing:
         want = max(new, shared if shared > pool.round_size(request) else 0)
         bigger = min(_round_up(want, self.quantum), room)
         # rounding up is worth it only if the room is there now: no other process is asked
-        if bigger > new and not self._growth.segment_allowed(bigger, pool.reserved_bytes, free,
-                                                             ask_others=False):
+        if bigger > new and not self._growth.segment_allowed(
+                bigger, self._growth.device_bytes(), free, ask_others=False):
             return new
         return max(bigger, new)
 
