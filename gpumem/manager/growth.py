@@ -286,6 +286,10 @@ class SegmentGrowth:
         """Release wholly free segments, largest first (only those of one pool if `small` is
         given), and free pages of expandable segments; the bytes released."""
         with self.lock:
+            if self._core.closed:
+                # close() gave every segment back (the pool still lists them): a free() or
+                # a trim that waited for the lock while close() ran must not free them again
+                return 0
             if (self.pool.reserved_bytes == self.pool.in_use_bytes
                     and (self.expandable is None or not (self.expandable.holds_empty()
                                                          or self.expandable.held_pages))):

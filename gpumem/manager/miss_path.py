@@ -215,6 +215,8 @@ class MissPath:
     def _fallback(self, nbytes: int, stream: int, tag: Any) -> FallbackBuffer:
         device_string = self.growth.device.device_string
         with self.growth.lock:
+            # the ladder dropped the lock: a close() may have run since (its host is closed)
+            self.check_open()
             if self.host is None:
                 self.host = self._make_host()
             host = self.host
