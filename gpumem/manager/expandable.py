@@ -58,6 +58,7 @@ from typing import TYPE_CHECKING, Any
 
 from gpumem.errors import DriverError, DriverOutOfMemory, InvalidInputError
 from gpumem.manager.handle_sizing import HandleSizing
+from gpumem.manager.page_release import PageRelease
 
 if TYPE_CHECKING:
     from gpumem.manager.growth import Growth
@@ -169,13 +170,8 @@ class ExpandableSegments:
         self.segment_events = 0                        # segments adopted or released whole
         self.stitched_bytes = 0                        # mapped memory moved instead of created
         self.stitch_syncs = 0                          # synchronize() before moves or trims
-        self._held: list[tuple[int, int]] = []        # (handle, bytes) the driver would not free
-        #: bytes of the mappings a growth took out of the pool's count to move them (still
-        #: allocated on the device until they are mapped at their target and filled)
-        self._moving = 0
-        #: segments the pool detached whose mappings or reservation could not all be given
-        #: back (an error while releasing them): retried with the held handles
-        self._orphans: list[_Segment] = []
+        #: what was not given back yet, and the pages a growth is moving (held_bytes)
+        self._out = PageRelease(self._dev, self._call)
 
     # --- queries ---------------------------------------------------------------------------------
     def owns(self, handle: int) -> bool:
@@ -256,7 +252,7 @@ class ExpandableSegments:
         """The pool takes mapped [offset, offset + size) as a free block of ``stream``."""
         if not self._mm.pool.fill_unmapped(seg.address, offset, size, stream):
             # only when host memory for a block record runs out: give the memory back
-            self._unmap_release(seg, seg.mappings_in(offset, size))
+            self._out.unmap_release(seg, seg.mappings_in(offset, size))
             raise MemoryError("the pool could not record mapped pages")
 
     def _take_mappings(self, target: _Segment, nbytes: int, stream: int, keep: tuple[int, int],
@@ -309,11 +305,11 @@ class ExpandableSegments:
         moved = sum(n for _, _, n in sources)
         # the carve lowered pool.reserved_bytes, but the device still holds these pages and
         # the manager holds them again once they are mapped here: they count (held_bytes)
-        self._moving = moved
+        self._out.moving = moved
         try:
             return self._map_taken(seg, offset, size, stream, sources, moved, step, free)
         finally:
-            self._moving = 0
+            self._out.moving = 0
 
     def _map_taken(self, seg: _Segment, offset: int, size: int, stream: int,
                    sources: list[_Taken], moved: int, step: int | None,
@@ -390,7 +386,7 @@ class ExpandableSegments:
                     continue
             unplaced.append((handle, n))
         try:
-            self._release_handles(unplaced)
+            self._out.release_handles(unplaced)
         finally:
             self._refill(back, stream)
 
@@ -427,7 +423,7 @@ class ExpandableSegments:
                 created.append((self._call(self._dev.vm_create, n), n))
             self._map_many(address, created)
         except BaseException as exc:
-            self._release_handles(created)          # none of them is mapped
+            self._out.release_handles(created)          # none of them is mapped
             self._unreserve(seg)
             if isinstance(exc, DriverOutOfMemory):
                 return None
@@ -448,7 +444,7 @@ class ExpandableSegments:
 
     def _unreserve(self, seg: _Segment) -> None:
         """Undo a new segment the pool never saw: its mappings, then its reservation."""
-        self._give_back(seg)
+        self._out.give_back(seg)
 
     def _call(self, fn: Any, *args: Any) -> Any:
         self.driver_calls += 1
@@ -481,18 +477,6 @@ class ExpandableSegments:
         self._dev.synchronize()
         self.stitch_syncs += 1
 
-    def _unmap_release(self, seg: _Segment, mappings: list[tuple[int, int]]) -> int:
-        """Unmap and free the mappings ``[(offset, bytes), ...]``; the bytes freed (see
-        _release_handles)."""
-        unmapped: list[tuple[int, int]] = []
-        try:
-            for offset, n in mappings:
-                self._call(self._dev.vm_unmap, seg.address + offset, n)
-                unmapped.append(seg.take(offset))
-        finally:
-            freed = self._release_handles(unmapped)
-        return freed
-
     # --- giving memory back ----------------------------------------------------------------------
     def trimmable(self) -> int:
         """Bytes :meth:`trim` would return now (no change, no driver call). Never waits: it
@@ -512,7 +496,7 @@ class ExpandableSegments:
         offset) none below it. The bytes returned. A driver that refuses to unmap or free a
         handle warns (as a refused segment free does): what it kept stays cached or held for
         a later retry."""
-        released = self.release_held()
+        released = self._out.release_held()
         drained = False
         pool = self._mm.pool
         for seg in list(self._segments.values()):
@@ -542,87 +526,32 @@ class ExpandableSegments:
                 except BaseException as exc:
                     # no queued work uses them: any stream may have the memory back
                     self._refill([(seg, o, m) for o, m in taken[i:]], seg.stream)
-                    released += self._release_handles(unmapped)
+                    released += self._out.release_handles(unmapped)
                     if not isinstance(exc, DriverError):
                         raise
                     warnings.warn(f"gpumem: {self._dev.device_string} refused to unmap a "
                                   f"mapping ({exc}); it stays cached", RuntimeWarning)
                     return released
                 unmapped.append(seg.take(offset))
-            released += self._release_handles(unmapped)
+            released += self._out.release_handles(unmapped)
             if not seg.maps and pool.detach_if_unused(seg.address):
                 self.release(seg.address)
         return released
 
-    def _release_handles(self, handles: list[tuple[int, int]]) -> int:
-        """vm_release each unmapped ``(handle, bytes)``; the bytes released. A handle the
-        driver refuses to free is held (unmapped, still allocated) and freed again by the next
-        trim or close(). Exception-safe: whatever a release raises, every handle is tried and
-        each one not freed is held; an error other than the driver's refusal is raised once
-        they all are accounted."""
-        refused = []
-        freed = 0
-        error: BaseException | None = None
-        for handle, n in handles:
-            try:
-                self._call(self._dev.vm_release, handle)
-            except BaseException as exc:
-                refused.append((handle, n))        # not known to be freed: held, retried
-                if error is None or isinstance(error, DriverError):
-                    error = exc
-            else:
-                freed += n
-        if refused:
-            self._held.extend(refused)
-            if not isinstance(error, DriverError):
-                raise error                         # type: ignore[misc]
-            warnings.warn(f"gpumem: {self._dev.device_string} refused to free "
-                          f"{len(refused)} page handle(s) ({error}); they stay allocated and "
-                          f"are freed again by the next trim or close()", RuntimeWarning)
-        return freed
-
     def release_held(self) -> int:
-        """Free the handles the driver refused to free before, and give back what is left of
-        segments whose release failed part-way; the bytes freed now. What fails again stays
-        held (a driver refusal without a new warning; another error is raised once every
-        handle was tried)."""
-        held, self._held = self._held, []
-        orphans, self._orphans = self._orphans, []
-        freed = 0
-        error: BaseException | None = None
-        for handle, n in held:
-            try:
-                self._call(self._dev.vm_release, handle)
-            except BaseException as exc:
-                self._held.append((handle, n))
-                if not isinstance(exc, DriverError) and error is None:
-                    error = exc
-            else:
-                freed += n
-        for seg in orphans:
-            try:
-                freed += self._give_back(seg, warn=False)
-            except BaseException as exc:            # an orphan again
-                if error is None:
-                    error = exc
-        if error is not None:
-            raise error
-        return freed
+        """Retry what was not given back (:meth:`PageRelease.release_held`); the bytes freed."""
+        return self._out.release_held()
 
     @property
     def held_pages(self) -> int:
-        """Handles not given back yet, retried later: unmapped ones the driver refused to
-        free, and those of segments whose release failed part-way (their reservation counts
-        as one)."""
-        return len(self._held) + sum(len(s.maps) or 1 for s in self._orphans)
+        """Handles not given back yet (retried by the next trim or close())."""
+        return self._out.held_pages
 
     @property
     def held_bytes(self) -> int:
         """Bytes the device holds for this manager that the pool does not count
-        (MemoryStats.held_bytes): the held handles, and, while a growth runs, the pages it is
-        moving (taken out of the pool's count until they are mapped at their target)."""
-        return (sum(n for _, n in self._held) + sum(s.mapped for s in self._orphans)
-                + self._moving)
+        (MemoryStats.held_bytes; :attr:`PageRelease.held_bytes`)."""
+        return self._out.held_bytes
 
     def release(self, handle: int) -> int:
         """A segment without live blocks that the pool detached: unmap and release its
@@ -637,35 +566,8 @@ class ExpandableSegments:
             handles.remove(handle)
             if not handles:
                 del self._by_stream[seg.stream]
-        return self._give_back(seg)
+        return self._out.give_back(seg)
 
-    def _give_back(self, seg: _Segment, *, warn: bool = True) -> int:
-        """Unmap and release ``seg``'s mappings, then free its reservation; the bytes freed.
-        On any error what is left of ``seg`` joins the orphans that release_held retries: a
-        driver refusal warns (when ``warn``), another error is raised."""
-        freed = 0
-        error: BaseException | None = None
-        try:
-            freed = self._unmap_release(seg, sorted((o, n) for o, (_, n) in seg.maps.items()))
-        except BaseException as exc:
-            error = exc
-        kept = True
-        if not seg.maps:        # all unmapped (their handles freed or held): the range goes
-            try:
-                self._call(self._dev.vm_free, seg.address, seg.reserved)
-                kept = False
-            except BaseException as exc:
-                error = error or exc
-        if error is not None:
-            if kept:
-                self._orphans.append(seg)
-            if not isinstance(error, DriverError):
-                raise error
-            if warn and kept:
-                warnings.warn(f"gpumem: {self._dev.device_string} refused to unmap or free an "
-                              f"expandable segment ({error}); it is given back again by the "
-                              f"next trim or close()", RuntimeWarning)
-        return freed
 
 
 def _round_up(n: int, to: int) -> int:
