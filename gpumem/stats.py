@@ -98,8 +98,10 @@ class MemoryStats:
 
     Invariant (tested): ``reserved_bytes == in_use_bytes + cached_bytes + held_bytes``, where
     ``in_use_bytes`` counts live blocks at their *rounded* size; the rounding itself is
-    ``in_use_bytes - requested_bytes``. ``held_bytes`` are pages the driver refused to free
-    (retried by the next trim or close()): the device holds them, nothing can use them.
+    ``in_use_bytes - requested_bytes``. ``held_bytes`` are pages of expandable segments not given
+    back yet (the driver refused, or an error came while releasing them; retried by the next
+    trim or close()) and, while a miss runs, the pages it moves between segments: the device
+    holds them, nothing can use them.
     CPU-fallback buffers are not device memory and are counted apart (``fallback_bytes``).
     """
 
