@@ -78,6 +78,7 @@ class MissPath:
         buf = self.malloc_device(nbytes, stream, tag)
         if buf is not None:
             return buf
+        self.check_open()             # closed once the ladder dropped the lock: not an OOM
         if fallback and self.config.cpu_fallback_enabled and nbytes <= self._total:
             return self._fallback(nbytes, stream, tag)
         raise self.oom_error(nbytes, fallback_refused=not fallback)

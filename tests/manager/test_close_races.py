@@ -162,3 +162,30 @@ def test_close_racing_with_misses_stress(sim_device):
     assert not any(t.is_alive() for t in threads)
     assert not errors, f"{len(errors)} unexpected error(s), first: {errors[0]!r}"
     assert (dev.live_bytes, dev.live_page_handles, dev.live_reservations) == (0, 0, 0)
+
+
+@pytest.mark.parametrize("fallback", [True, False], ids=["fallback", "no-fallback"])
+def test_close_after_the_ladder_failed(fallback):
+    """A miss whose ladder found no device memory, and a close() that runs as soon as the
+    ladder drops the lock: the miss gets ClosedManagerError, not an OutOfMemoryError nor a
+    FallbackBuffer from a closed manager (whose host manager would never be closed)."""
+    dev = gpumem_sim.SimDevice("256MiB")
+    mm = MemoryManager(dev, MemoryConfig(segments="auto", cpu_fallback_enabled=fallback,
+                                         gpu_memory_fraction=1.0, reserve_bytes=0,
+                                         min_free_bytes=0))
+    hog = mm.malloc(200 * MiB)
+    real = mm._miss.malloc_device
+
+    def ladder_then_close(*args):
+        buf = real(*args)                    # None: the device is full
+        t = threading.Thread(target=mm.close)
+        t.start()                            # the lock is free now: close() runs to the end
+        t.join(30)
+        assert mm.closed
+        return buf
+    mm._miss.malloc_device = ladder_then_close
+    with pytest.raises(ClosedManagerError):
+        mm.malloc(100 * MiB)
+    assert mm.fallback_manager is None       # no host manager made after close()
+    assert (dev.live_bytes, dev.live_page_handles, dev.live_reservations) == (0, 0, 0)
+    del hog
