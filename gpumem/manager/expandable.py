@@ -32,7 +32,9 @@ until :meth:`ExpandableSegments.trim` (empty_cache, shrink, the cache cap, press
 and the OOM ladder, through ``SegmentGrowth.release_cached``) unmaps and releases every handle
 that lies wholly in free blocks, inside segments too (the same stream rule decides whether it
 synchronizes first); a segment without live blocks is detached by the pool and released whole
-(:meth:`release`).
+(:meth:`release`). What an error keeps from going back stays counted and is retried
+(:mod:`gpumem.manager.page_release`), and so are the pages a miss is moving, which the pool's
+count leaves out while they move: every limit check sees them (``held_bytes``).
 
 Failures roll back completely: when a page cannot be created, unmapped or mapped, the pages of
 this miss go back where they came from (or are released when that is refused too) and the pool
@@ -423,8 +425,10 @@ class ExpandableSegments:
                 created.append((self._call(self._dev.vm_create, n), n))
             self._map_many(address, created)
         except BaseException as exc:
-            self._out.release_handles(created)          # none of them is mapped
-            self._unreserve(seg)
+            try:
+                self._out.release_handles(created)      # none of them is mapped
+            finally:
+                self._unreserve(seg)
             if isinstance(exc, DriverOutOfMemory):
                 return None
             raise
@@ -567,7 +571,6 @@ class ExpandableSegments:
             if not handles:
                 del self._by_stream[seg.stream]
         return self._out.give_back(seg)
-
 
 
 def _round_up(n: int, to: int) -> int:
