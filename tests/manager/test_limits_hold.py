@@ -269,3 +269,28 @@ def test_shared_card_ledger_timeout_strands_no_page():
             warnings.simplefilter("ignore", RuntimeWarning)
             mm.close()
     assert (dev.live_bytes, dev.live_page_handles, dev.live_reservations) == (0, 0, 0)
+
+
+def test_error_while_unmapping_keeps_the_segment_for_a_retry():
+    """A non-driver error from the 2nd unmap while a wholly free segment is released: the
+    mappings not unmapped and the reservation stay counted (held_bytes, reserved_bytes equal
+    to what the device holds), the error reaches the caller, and the next empty_cache gives
+    all of it back."""
+    dev = gpumem_sim.SimDevice("1GiB")
+    mm = MemoryManager(dev, MemoryConfig(segments="tight", cpu_fallback_enabled=False,
+                                         gpu_memory_fraction=1.0, reserve_bytes=0,
+                                         min_free_bytes=0, release_before_grow=False))
+    try:
+        mm.malloc(40 * MiB).free()
+        _raising_nth(dev, "vm_unmap", 2)
+        with pytest.raises(SharedLedgerError):
+            mm.empty_cache()
+        st = mm.stats()
+        assert dev.live_bytes == st.reserved_bytes == st.held_bytes > 0
+        assert dev.live_reservations == 1 and mm.expandable_segments.held_pages > 0
+        mm.empty_cache()
+        assert (dev.live_bytes, dev.live_page_handles, dev.live_mappings,
+                dev.live_reservations) == (0, 0, 0, 0)
+        assert mm.stats().reserved_bytes == 0
+    finally:
+        mm.close()
