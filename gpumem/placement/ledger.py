@@ -223,6 +223,7 @@ class Ledger:
         self._map: mmap.mmap | None = None
         #: slot index -> token of the slots whose liveness lock this open file holds
         self._held: dict[int, int] = {}
+        self._closed = False
         _open_ledgers.add(self)
         try:
             with self.locked():
@@ -354,6 +355,8 @@ class Ledger:
             raise SharedLedgerError(f"shared-budget ledger {self.path}: another thread of this "
                                     f"process held its lock for {LOCK_TIMEOUT} s")
         try:
+            if self._closed:                      # (never re-made once its user closed it)
+                raise SharedLedgerError(f"shared-budget ledger {self.path} is closed")
             if os.getpid() != self._pid:          # a child forked without the at-fork hook
                 self._drop_in_child(new_lock=False)
             for _ in range(16):
@@ -545,6 +548,7 @@ class Ledger:
 
     def close(self) -> None:
         """Close the file (its liveness locks go with it). Idempotent."""
+        self._closed = True
         _open_ledgers.discard(self)
         self._close_file()
 
