@@ -28,10 +28,11 @@ no driver call. flock and OFD locks belong to the open file description, which `
 with the child, and the mapping holds it as well; so a child keeping them would keep the lock of
 a parent killed mid-update, and the parent's slot alive. POSIX record locks are not shared with
 a child, but any ``close`` of the file by the process drops them and they do not exclude the
-threads or the several open ledgers of one process, so they cannot serve. Instead the mapping
-is not inherited (``MADV_DONTFORK``) and a forked child closes its copies of every ledger at once
-(``os.register_at_fork``); a ledger object used in the child opens the file again, as a non-member
-(a child is a member only if it joins).
+threads or the several open ledgers of one process, so they cannot serve. Instead a forked
+child unmaps and closes its copies of every ledger at once (``os.register_at_fork``; a child
+forked from C without that hook does so the first time it uses the ledger); a ledger object
+used in the child opens the file again, as a non-member (a child is a member only if it
+joins).
 
 The last user of a ledger removes the file (:meth:`Ledger.remove_if_unused`, under the lock); a
 process that then takes the lock on a file no longer at its path opens the path again, so no
@@ -252,7 +253,7 @@ class Ledger:
 
     def _map_file(self) -> None:
         """Under the flock: the file checked again (it may have changed since the open), laid
-        out if new, mapped (not inherited by a forked child) and its header checked."""
+        out if new, mapped and its header checked."""
         self._check_file()
         size = os.fstat(self._fd).st_size
         if size == 0:
@@ -260,8 +261,6 @@ class Ledger:
                 raise SharedLedgerError(f"shared-budget ledger {self.path} is empty")
             os.ftruncate(self._fd, FILE_SIZE)
         self._map = mmap.mmap(self._fd, FILE_SIZE)
-        if hasattr(mmap, "MADV_DONTFORK"):
-            self._map.madvise(mmap.MADV_DONTFORK)
         if size == 0:
             _HEADER.pack_into(self._map, 0, MAGIC, VERSION, SLOT_COUNT, SLOT_SIZE, 0, 0)
         self._check_header()
@@ -297,9 +296,9 @@ class Ledger:
         m, self._map = self._map, None
         if m is not None:
             try:
-                m.close()                         # (not mapped here: MADV_DONTFORK)
-            except BufferError:                   # another thread of the parent was using
-                _detach_fds_of(self._fd)          # it: its descriptor copy goes instead
+                m.close()                         # the child's copy of the mapping
+            except BufferError:                   # (a view of it kept somewhere): at least
+                _detach_fds_of(self._fd)          # its descriptor copy goes
         if self._fd >= 0:
             try:
                 os.close(self._fd)
