@@ -50,7 +50,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     say(f"usable = min(total x gpu_memory_fraction {config.gpu_memory_fraction}, total - "
          f"reserve); pressure counts memory already in use on the device")
     from gpumem.cli.groups import group_lines
-    lines = group_lines()
+    lines = group_lines(live_only=True)           # dead and refused ledgers: one line
     if lines:
         say("shared groups (gpumem groups):")
         for line in lines:

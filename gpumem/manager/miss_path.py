@@ -122,7 +122,16 @@ class MissPath:
     def malloc_device(self, nbytes: int, stream: int, tag: Any) -> Buffer | None:
         """Ladder: cache -> idle streams' cache -> new segment -> release cache and retry ->
         other managers on this device release their caches, retry -> OOM callbacks and retry.
-        None when all fail."""
+        None when all fail. A miss that raises drops its shared-budget claim at once."""
+        try:
+            return self._malloc_device(nbytes, stream, tag)
+        except BaseException:
+            shared = self.growth.shared
+            if shared is not None:
+                shared.drop_claim()
+            raise
+
+    def _malloc_device(self, nbytes: int, stream: int, tag: Any) -> Buffer | None:
         growth = self.growth
         with growth.lock:
             manager = self._core.manager

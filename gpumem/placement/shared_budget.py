@@ -4,14 +4,17 @@ A manager configured with ``MemoryConfig(shared_group=...)`` joins the group's l
 (:mod:`gpumem.placement.ledger`) as a *member*: one slot with what it holds from the device
 (``reserved``) and how much of that is cached. A growth that would take the members' sum past
 the budget first asks the others to release cached memory (a request written into their slots
-and a one-byte wake-up sent to their watcher's socket), waits a bounded time
-(:data:`REPLY_WAIT`) for their answers, and is then allowed or refused; a refused growth goes on
+and a one-byte wake-up sent to their watcher's socket), waits a bounded time for their
+answers (:meth:`SharedBudget._poll`: a member that acknowledged the request up to
+:data:`ANSWER_WAIT`, a running one up to :data:`ACK_WAIT` for its acknowledgement, a stopped
+one :data:`REPLY_WAIT`, a dead one not at all), and is then allowed or refused; a refused growth goes on
 down the manager's OOM ladder as before. Members whose process died are reaped when their share
 is needed, so a SIGKILLed member stops counting at the next growth that needs its share.
 
 Each member answers requests on a daemon *watcher* thread that sleeps in ``recv`` on its socket
-(no GIL held, no polling): on a request it takes its manager's slow-path lock (bounded), releases
-cached segments and writes its answer. The hit path never touches the ledger: the slot is
+(no GIL held, no polling): on a request it acknowledges it (with its exact cached figure), takes
+its manager's slow-path lock (bounded), releases cached segments, writes its new figures while
+it still holds that lock (never over a claim its manager's miss made meanwhile) and answers. The hit path never touches the ledger: the slot is
 written on the miss path (``allow``, ``sync``), when cached memory is released and by the
 watcher.
 
@@ -35,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol
 
 from gpumem.backends.base import DeviceKind
 from gpumem.placement.ledger import (MEMBER, Ledger, SharedLedgerError, Slot, ledger_folder,
-                                     ledger_path, process_start_time)
+                                     ledger_path, process_start_time, process_stopped)
 from gpumem.units import format_bytes
 
 if TYPE_CHECKING:
@@ -46,13 +49,21 @@ if TYPE_CHECKING:
     from gpumem.config import MemoryConfig
     from gpumem.placement.sim_card import SimCard
 
-__all__ = ["SharedBudget", "GroupMember", "group_members", "REPLY_WAIT",
-           "SharedLedgerError", "budget_bytes", "device_key"]
+__all__ = ["SharedBudget", "GroupMember", "group_members", "REPLY_WAIT", "ACK_WAIT",
+           "ANSWER_WAIT", "SharedLedgerError", "budget_bytes", "device_key"]
 
 log = logging.getLogger("gpumem")
 
-#: the longest a growth waits for the other members to answer a release request
+#: the longest a growth waits for a member that neither acknowledged its request nor is running
+#: (stopped by SIGSTOP or a debugger)
 REPLY_WAIT = 0.1
+#: the longest it waits for a running member's watcher to acknowledge (scheduling delay on a
+#: loaded machine: a runnable thread of 5 runnable per core waits tens of ms per turn, and its
+#: wake-up then needs the GIL, up to a switch interval more per thread ahead of it)
+ACK_WAIT = 2.0
+#: the longest it waits for the answer of a member that acknowledged (its release takes its
+#: manager's lock, ANSWER_LOCK_WAIT at most, and frees segments through the driver)
+ANSWER_WAIT = 5.0
 #: how long the watcher waits for its manager's slow-path lock before answering "busy"
 ANSWER_LOCK_WAIT = 0.05
 #: the interpreter's switch interval while a watcher answers (see _quick_switches)
@@ -238,7 +249,7 @@ class SharedBudget:
         leaving ``min_free`` of the device's ``free`` memory (``device_free()`` reads it
         again). When allowed the bytes are claimed in the slot at once (``sync`` sets the true
         figure later). When not: dead members are reaped, then (with hand-back on) the others
-        are asked to release cached memory, given up to REPLY_WAIT to answer, and both limits
+        are asked to release cached memory, given a bounded time to answer (``_poll``), and both limits
         are checked again. Without ``ask`` (a size only worth having if it is free now) it
         neither reaps nor asks: False at once."""
         device_fits = free - seg_size >= min_free
@@ -315,31 +326,50 @@ class SharedBudget:
     def _wait(self, asked: list[tuple[int, int, int, int]], need: int | None,
               start: float) -> None:
         """Until every asked member answered (or left), the budget has room for ``need`` (None:
-        the device's free memory is what lacks, so wait for the answers), or
-        REPLY_WAIT passed. Requests to this member meanwhile are answered "busy" at once (it
-        holds its own slow-path lock), so two members that ask each other never wait on each
-        other."""
+        the device's free memory is what lacks, so wait for the answers), or each member's
+        bound passed (:meth:`_poll`). Requests to this member meanwhile are answered "busy" at
+        once (it holds its own slow-path lock), so two members that ask each other never wait
+        on each other."""
         try:
-            self._poll(asked, need, start + REPLY_WAIT)
+            self._poll(asked, need, start)
         finally:
             self.reply_seconds.append(time.monotonic() - start)
 
     def _poll(self, asked: list[tuple[int, int, int, int]], need: int | None,
-              deadline: float) -> None:
-        waiting = {index: (token, seq) for index, _, token, seq in asked}
-        while waiting and time.monotonic() < deadline:
-            time.sleep(_POLL)
+              start: float) -> None:
+        """The bound per asked member: none once it is gone (its liveness lock dropped);
+        REPLY_WAIT while it has not acknowledged and its process is stopped; ACK_WAIT while it
+        has not acknowledged but runs (its watcher waits for a core or the GIL); ANSWER_WAIT
+        once it acknowledged (it is answering)."""
+        waiting = {index: (pid, token, seq) for index, pid, token, seq in asked}
+        pause = _POLL
+        while waiting:
+            time.sleep(pause)
+            pause = min(pause * 2, 8 * _POLL)
+            elapsed = time.monotonic() - start
+            unacked = []
             with self._ledger.locked() as ledger:
-                for index, (token, seq) in list(waiting.items()):
+                for index, (pid, token, seq) in list(waiting.items()):
                     s = ledger.slot(index)
-                    if s.kind != MEMBER or s.token != token or s.answered_seq >= seq:
+                    if (s.kind != MEMBER or s.token != token or s.answered_seq >= seq
+                            or not ledger.alive(s)):
                         del waiting[index]
+                    elif s.acked_seq >= seq:
+                        if elapsed > ANSWER_WAIT:
+                            del waiting[index]
+                    elif elapsed > ACK_WAIT:
+                        del waiting[index]
+                    elif elapsed > REPLY_WAIT:
+                        unacked.append(index)
                 mine = ledger.slot(self._index)
                 if mine.request_seq > mine.answered_seq:
-                    mine.answered_seq = mine.request_seq
+                    mine.answered_seq = mine.acked_seq = mine.request_seq
                     ledger.write(mine)
                 if need is not None and self._others(ledger) + need <= self.budget:
                     return
+            for index in unacked:                 # (/proc read outside the ledger's lock)
+                if process_stopped(waiting[index][0]):
+                    del waiting[index]
 
     def sync(self) -> None:
         """Write this member's true figures (reserved, cached) into its slot: after a growth or
@@ -357,6 +387,18 @@ class SharedBudget:
             mine.reserved, mine.cached = reserved, min(cached, reserved)
             ledger.write(mine)
 
+    def drop_claim(self) -> None:
+        """After a miss that raised: its claim dropped at once (the true figures written, under
+        the manager's slow-path lock: the claim of another thread's miss stays). Never raises."""
+        releaser = self._releaser()
+        if releaser is None or not self.active:
+            return
+        try:
+            with releaser.lock:
+                self.sync()
+        except SharedLedgerError as exc:          # the watcher's refresh writes it later
+            log.warning("gpumem: shared group %r: %s", self.group, exc)
+
     def refresh(self) -> None:
         """The watcher's periodic update of the slot's figures (what was freed into the cache
         since the last miss shows in ``gpumem groups``); skipped while the manager's slow path
@@ -373,17 +415,25 @@ class SharedBudget:
 
     # --- answering ---------------------------------------------------------------------------
     def answer(self) -> int:
-        """Answer a pending release request (the watcher calls this): release up to the bytes
-        asked for and mark the request answered; the bytes released."""
+        """Answer a pending release request (the watcher calls this): acknowledge it at once
+        (with the exact cached figure), release up to the bytes asked for under the manager's
+        slow-path lock (ANSWER_LOCK_WAIT at most, else "busy": 0 bytes), write the new figures
+        before that lock is dropped, and mark the request answered; the bytes released."""
         if not self.active:
             return 0
+        releaser = self._releaser()
         with self._ledger.locked() as ledger:
             mine = ledger.slot(self._index)
             if mine.request_seq <= mine.answered_seq:
                 return 0
             seq, want = mine.request_seq, mine.request_bytes
+            mine.acked_seq = seq
+            if releaser is not None:              # cached only: reserved may hold a claim
+                pool = releaser.pool
+                mine.cached = min(max(0, pool.reserved_bytes - pool.in_use_bytes),
+                                  mine.reserved)
+            ledger.write(mine)
         released = 0
-        releaser = self._releaser()
         with _quick_switches():
             if releaser is not None and releaser.lock.acquire(timeout=ANSWER_LOCK_WAIT):
                 try:
@@ -392,9 +442,10 @@ class SharedBudget:
                 except Exception as exc:  # the request is still answered (with 0 bytes)
                     log.warning("gpumem: %s: releasing cached memory for shared group %r "
                                 "failed: %r", self.device_string, self.group, exc)
+                try:
+                    self.sync()                   # under the lock: no claim is overwritten
                 finally:
                     releaser.lock.release()
-            self.sync()
             with self._ledger.locked() as ledger:
                 mine = ledger.slot(self._index)
                 mine.answered_seq = max(mine.answered_seq, seq)
@@ -431,6 +482,8 @@ class SharedBudget:
         try:
             with self._ledger.locked() as ledger:
                 ledger.free_slot(self._index)
+                if self._card is None:            # else the card's close removes the file
+                    ledger.remove_if_unused()
         except SharedLedgerError as exc:
             log.warning("gpumem: leaving shared group %r: %s", self.group, exc)
         sock = self._sock
@@ -485,12 +538,11 @@ def _quick_switches() -> Iterator[None]:
 
 
 def group_members(ledger: Ledger) -> list[GroupMember]:
-    """The members of an open ledger, each marked alive or not."""
-    from gpumem.placement.ledger import process_alive
+    """The members of an open ledger, each marked alive (its liveness lock held) or not."""
     with ledger.locked() as lg:
-        slots = list(lg.slots(MEMBER))
+        slots = [(s, lg.alive(s)) for s in lg.slots(MEMBER)]
     return [GroupMember(s.pid, s.reserved, s.cached, s.request_seq, s.answered_seq, s.released,
-                        process_alive(s.pid, s.start)) for s in slots]
+                        alive) for s, alive in slots]
 
 
 def _watch(member: SharedBudget, sock: socket.socket) -> None:

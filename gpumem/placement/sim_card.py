@@ -71,6 +71,7 @@ class SimCard:
             try:
                 with self._ledger.locked() as ledger:
                     ledger.free_slot(self._index)
+                    ledger.remove_if_unused()       # the group's last user removes the file
             except SharedLedgerError:
                 pass                                # reaped once this process is gone
         self._ledger.close()

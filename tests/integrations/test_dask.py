@@ -280,7 +280,8 @@ def test_workers_on_one_device_share_a_budget_and_the_report_shows_each_share(cl
     path = client.run(_ledger_path, workers=[addresses[0]])[addresses[0]]
     client.run(_drop_held)
     client.unregister_worker_plugin(gdask.PLUGIN_NAME)
-    os.unlink(path)
+    # the group's last member removes its ledger when it leaves (issue 41)
+    _wait_for(lambda: not os.path.exists(path), "the ledger removed by its last member")
 
 
 def test_shared_budget_argument_is_checked_on_the_client():

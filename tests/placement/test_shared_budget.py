@@ -59,6 +59,31 @@ def ledger_file(shared_dir: str) -> str:
     return os.path.join(shared_dir, name)
 
 
+def lingering_ledger(group: str) -> str:
+    """A ledger file of ``group`` with no member that stays (its last member would remove it:
+    a slot taken by another open file keeps it while that member leaves)."""
+    with MemoryManager(CARD, shared_config(group)) as mm:
+        path = mm._growth.shared.path
+        probe = Ledger(path)
+        with probe.locked() as lg:
+            index = lg.claim(MEMBER, os.getpid(), 0, 1).index
+    with probe.locked() as lg:
+        lg.free_slot(index)
+    probe.close()
+    assert os.path.exists(path)
+    return path
+
+
+def forge_slot(probe: Ledger, pid: int, start: int, reserved: int) -> int:
+    """Write a member slot naming (pid, start) that holds ``reserved`` bytes, as a process that
+    never joined would (no liveness lock); its index."""
+    from gpumem.placement.ledger import FREE, SLOT_COUNT, Slot
+    with probe.locked() as ledger:
+        index = next(i for i in range(SLOT_COUNT) if ledger.slot(i).kind == FREE)
+        ledger.write(Slot(index, MEMBER, 0, pid, start, 42, reserved, 0, 0, 0, 0, 0, 0))
+    return index
+
+
 def run_alternating(shared_dir: str, hand_back: bool, count: int = 8) -> list[tuple]:
     ctx = spawn()
     barrier, results = ctx.Barrier(count), ctx.Queue()
@@ -199,16 +224,17 @@ def test_hit_path_never_touches_the_ledger(shared_dir, monkeypatch):
 
 
 def test_close_and_drop_leave_the_group(shared_dir):
-    """close() frees the member's slot and its card; a manager dropped without close() is
-    gone from the ledger within a few seconds (its watcher leaves for it)."""
+    """close() frees the member's slot and its card (the last member removes the file); a
+    manager dropped without close() is gone from the ledger within a few seconds (its watcher
+    leaves for it)."""
     cfg = shared_config("leave")
     mm = MemoryManager(CARD, cfg)
     path = ledger_file(shared_dir)
     mm.close()
+    assert not os.path.exists(path)
+    mm = MemoryManager(CARD, cfg)
     probe = Ledger(path)
     try:
-        assert list(probe.slots()) == []
-        mm = MemoryManager(CARD, cfg)
         assert len(group_members(probe)) == 1
         del mm
         gc.collect()
@@ -290,8 +316,7 @@ def test_members_that_disagree_on_the_budget_are_refused(shared_dir):
 
 def corrupt_and_join(shared_dir: str, corrupt) -> SharedLedgerError:
     cfg = shared_config("bad")
-    MemoryManager(CARD, cfg).close()              # makes the ledger file
-    path = ledger_file(shared_dir)
+    path = lingering_ledger("bad")
     corrupt(path)
     with pytest.raises(SharedLedgerError) as info:
         MemoryManager(CARD, cfg)
@@ -349,8 +374,7 @@ def test_a_held_lock_gives_an_error_not_a_hang(shared_dir, monkeypatch):
     """Another process holding the ledger's lock (here another open file of this one) makes
     joining fail after the bounded wait, with an error naming the file."""
     monkeypatch.setattr(ledger_mod, "LOCK_TIMEOUT", 0.2)
-    MemoryManager(CARD, shared_config("locked")).close()
-    path = ledger_file(shared_dir)
+    path = lingering_ledger("locked")
     fd = os.open(path, os.O_RDWR)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
@@ -387,7 +411,7 @@ def test_gpumem_groups_shows_members_reserved_cached_and_budget(shared_dir, caps
         out = capsys.readouterr().out
         assert "report on sim_256MiB-268435456: budget 128.00 MiB of 256.00 MiB, 1 member" in out
         live.free()
-    os.chmod(ledger_file(shared_dir), 0o644)
+    os.chmod(lingering_ledger("report"), 0o644)
     assert main(["groups"]) == 0
     assert "not trusted" in capsys.readouterr().out
 
@@ -402,11 +426,7 @@ def test_a_reused_pid_does_not_keep_a_share(shared_dir):
     with MemoryManager(CARD, cfg) as mm:
         probe = Ledger(ledger_file(shared_dir))
         try:
-            with probe.locked() as ledger:
-                slot = ledger.claim(MEMBER, os.getppid(), process_start_time(os.getppid()) + 1,
-                                    42)
-                slot.reserved = 200 * MiB
-                ledger.write(slot)
+            forge_slot(probe, os.getppid(), process_start_time(os.getppid()) + 1, 200 * MiB)
             buf = mm.malloc(200 * MiB)
             assert [m.pid for m in group_members(probe)] == [os.getpid()]
         finally:
