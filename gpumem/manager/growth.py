@@ -248,8 +248,10 @@ class SegmentGrowth:
         near min_free_bytes."""
         pool = self.pool
         reserved = pool.reserved_bytes
-        over = reserved + nbytes - self.usable_memory
-        min_free = self.config.min_free_bytes
+        # a hard limit is not trimmed for here: it refuses, and the ladder releases and retries
+        over = (reserved + nbytes - self.usable_memory if self.hold > self.usable_memory
+                else 0)
+        min_free = self.config.min_free_bytes if self.min_free_hard == 0 else 0
         near_margin = (min_free and self._seen_free - max(0, reserved - self._seen_reserved)
                        - nbytes < min_free)
         if over <= 0 and not near_margin:

@@ -88,8 +88,8 @@ def refusal_causes(nbytes: int, *, config: Any, total: int, reserve: int,
     if hold is not None and reserved + nbytes > hold:
         setting = usable_limit(config, total, reserve, hold)
         held = f"{format_bytes(reserved)} held + " if reserved else ""
-        why = (f"{held}{format_bytes(nbytes)} requested exceeds the {format_bytes(hold)} it "
-               f"allows")
+        why = (f"{held}{format_bytes(nbytes)} requested exceeds usable memory "
+               f"{format_bytes(hold)}")
         if setting.startswith("gpu_memory_fraction"):
             need = math.ceil((reserved + nbytes) / total * 100) / 100
             if int(total * need) < reserved + nbytes:      # the manager truncates: one more
