@@ -30,7 +30,7 @@ from gpumem.errors import (ClosedManagerError, CpuFallbackWarning, DriverError,
 from gpumem.manager.fallback import FallbackBuffer
 from gpumem.manager.limits import SOFT_NOTE, device_reserve, refusal_causes, who_refused
 from gpumem.placement import peers
-from gpumem.placement.group_advice import group_cause
+from gpumem.manager.group_advice import group_cause
 from gpumem.units import format_bytes
 
 if TYPE_CHECKING:

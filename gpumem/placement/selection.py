@@ -30,9 +30,9 @@ class DeviceRoom:
     """What a fresh MemoryManager with a given config could hold on one device.
 
     ``usable = min(total * gpu_memory_fraction, total - reserve)`` as in MemoryManager, and
-    ``room = min(usable, free - min_free_bytes)`` (never below 0): the manager never holds more
-    than ``usable`` and never asks the driver for memory that would leave less than
-    ``min_free_bytes`` free. ``host_memory``: the device's memory is the host's (``cpu``, a
+    ``room = min(hold, free - min_free_bytes)`` (never below 0) where ``hold`` is the config's
+    hard cap (else the device's total) and ``min_free_bytes`` counts only when hard: soft
+    limits (the defaults) never refuse what the device can hold. ``host_memory``: the device's memory is the host's (``cpu``, a
     CPU-type OpenCL device such as PoCL).
     """
 

@@ -90,7 +90,7 @@ def _shared_group(config: pytest.Config) -> tuple[str, int | float] | None:
     workerinput = getattr(config, "workerinput", None)
     if workerinput is None:
         return None                             # one process: nobody to share with
-    from gpumem.placement.group_advice import PLUGIN_GROUP_PREFIX   # the OOM's advice names it
+    from gpumem.manager.group_advice import PLUGIN_GROUP_PREFIX   # the OOM's advice names it
     return f"{PLUGIN_GROUP_PREFIX}{workerinput['testrunuid'][:16]}", budget
 
 

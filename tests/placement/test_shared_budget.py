@@ -521,7 +521,7 @@ def test_group_oom_puts_the_other_members_first_and_names_the_plugin_option(shar
     another member's live memory says so first, with the figures, then names
     --gpumem-shared-budget off; min_free_bytes (soft by default) is not offered as the fix
     (real: two members in one process on one shared sim card)."""
-    from gpumem.placement.group_advice import PLUGIN_GROUP_PREFIX
+    from gpumem.manager.group_advice import PLUGIN_GROUP_PREFIX
     group = PLUGIN_GROUP_PREFIX + "0123456789abcdef"
     cfg = shared_config(group).with_soft_limits(min_free_bytes=64 * MiB,
                                                 gpu_memory_fraction=0.9)
