@@ -515,23 +515,3 @@ def test_symlinked_ledger_is_refused(shared_dir):
         os.symlink(target, path)
     assert "symlink" in str(corrupt_and_join(shared_dir, corrupt))
 
-
-def test_group_oom_puts_the_other_members_first_and_names_the_plugin_option(shared_dir):
-    """Issue 41, point 8: in the pytest plug-in's group (its name prefix), an OOM caused by
-    another member's live memory says so first, with the figures, then names
-    --gpumem-shared-budget off; min_free_bytes (soft by default) is not offered as the fix
-    (real: two members in one process on one shared sim card)."""
-    from gpumem.manager.group_advice import PLUGIN_GROUP_PREFIX
-    group = PLUGIN_GROUP_PREFIX + "0123456789abcdef"
-    cfg = shared_config(group).with_soft_limits(min_free_bytes=64 * MiB,
-                                                gpu_memory_fraction=0.9)
-    with MemoryManager(CARD, cfg) as other, MemoryManager(CARD, cfg) as mm:
-        held = other.malloc(200 * MiB)
-        with pytest.raises(OutOfMemoryError) as info:
-            mm.malloc(100 * MiB)
-        reason = info.value.reason
-        assert reason.startswith(f"shared group {group!r}: budget 256.00 MiB")
-        assert "the 1 other member(s) hold 200.00 MiB, 200.00 MiB of it live" in reason
-        assert "--gpumem-shared-budget off" in reason
-        assert "min_free_bytes=" not in reason
-        held.free()
