@@ -514,4 +514,3 @@ def test_symlinked_ledger_is_refused(shared_dir):
         os.rename(path, target)
         os.symlink(target, path)
     assert "symlink" in str(corrupt_and_join(shared_dir, corrupt))
-
