@@ -28,9 +28,9 @@ from gpumem._core.manager_base import stream_handle
 from gpumem.errors import (ClosedManagerError, CpuFallbackWarning, DriverError,
                            ForeignBufferError, OutOfMemoryError)
 from gpumem.manager.fallback import FallbackBuffer
+from gpumem.manager.group_advice import group_cause
 from gpumem.manager.limits import SOFT_NOTE, device_reserve, refusal_causes, who_refused
 from gpumem.placement import peers
-from gpumem.manager.group_advice import group_cause
 from gpumem.units import format_bytes
 
 if TYPE_CHECKING:
@@ -181,8 +181,11 @@ class MissPath:
             else:
                 reason = "the device refused it: device, cache and callbacks exhausted"
             if shared is not None:
-                # the group first: what its other members hold is the cause to look at
-                reason = group_cause(shared, self._core.manager) + "; " + reason
+                # what the group's other members hold comes first, unless this manager's own
+                # cap refused it (a margin on the device is short because of them)
+                group = group_cause(shared, self._core.manager)
+                own_cap = any(not c.startswith("min_free_bytes") for c in causes)
+                reason = f"{reason}; {group}" if own_cap else f"{group}; {reason}"
             if not cfg.cpu_fallback_enabled:
                 reason += "; CPU fallback is disabled"
             elif fallback_refused:
