@@ -86,3 +86,34 @@ def test_planning_gives_gpumem_what_pytorch_gets():
     card = Card(80 << 30, "cuda")
     assert card.gpumem_bytes == card.torch_bytes == (80 << 30) - 600 * (1 << 20)
     assert any("as PyTorch" in line for line in card.explain())
+
+
+def test_neighbour_makes_room_for_a_library_calling_the_driver(fake):
+    """A library calling the driver directly (cuMemAlloc through cuda.bindings) leaves the
+    card 100 MiB free, below the default min_free_bytes: the idle manager gives its 600 MiB
+    cache back without being asked, until 512 MiB are free (fake driver, in process; generous
+    deadline, the product's bound is in docs/pressure_and_oom.md)."""
+    import time
+
+    from cuda.bindings import driver as drv
+
+    from gpumem import MemoryConfig, MemoryManager
+    MiB = 1 << 20
+    mm = MemoryManager("cuda:0", MemoryConfig(segments="plain"))
+    try:
+        mm.malloc(600 * MiB).free()
+        free, _ = mm.memory_info()
+        with mm.device._current():
+            err, ptr = drv.cuMemAlloc(free - 100 * MiB)
+        assert int(err) == 0
+        try:
+            end = time.monotonic() + 30.0
+            while mm.memory_info()[0] < 512 * MiB and time.monotonic() < end:
+                time.sleep(0.02)
+            assert mm.memory_info()[0] >= 512 * MiB
+            assert mm.stats().reserved_bytes == 0
+        finally:
+            with mm.device._current():
+                drv.cuMemFree(ptr)
+    finally:
+        mm.close()
