@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import math
 import os
 import re
@@ -19,7 +20,8 @@ from gpumem.errors import InvalidInputError, UnknownSettingWarning
 from gpumem.units import GiB, MiB, parse_size
 
 __all__ = ["MemoryConfig", "MAX_BYTES", "SIZE_FIELDS", "OTHER_VARIABLES", "USER_VARIABLES",
-           "INTERNAL_VARIABLES", "HANDLE_PER_GROWTH", "SEGMENT_POLICIES", "parse_handle_size"]
+           "INTERNAL_VARIABLES", "HANDLE_PER_GROWTH", "SEGMENT_POLICIES", "LIMIT_FIELDS",
+           "parse_handle_size"]
 
 #: GPUMEM_* variables a user sets, read elsewhere (besides GPUMEM_<FIELD> of MemoryConfig):
 #: from_env does not warn about these, and its warning about an unknown one lists them.
@@ -64,6 +66,11 @@ SIZE_FIELDS = ("min_free_bytes", "reserve_bytes", "granularity", "small_size", "
 #: the largest byte count (and count) a setting may hold: 4 EiB, far past any device, and small
 #: enough that the pool's size_t arithmetic (rounding, segment plus slack) cannot overflow
 MAX_BYTES = 1 << 62
+
+#: the MemoryConfig fields that limit what a manager holds (docs/pressure_and_oom.md, "Soft and
+#: hard limits"): left at its default each is soft (it bounds the cache and sets the pressure
+#: scale, never refuses what the device can serve); set by the user it is hard
+LIMIT_FIELDS = ("gpu_memory_fraction", "min_free_bytes", "reserve_bytes", "max_pool_size")
 
 #: MemoryConfig.expandable_handle_size for one physical handle per growth
 HANDLE_PER_GROWTH = "growth"
@@ -124,9 +131,15 @@ class MemoryConfig:
     """How a manager uses its device. Every size field takes an int number of bytes or a size
     string (``"4GiB"``, ``"512MiB"``: :func:`gpumem.units.parse_size`), stored as an int.
 
-    Limits: a manager never holds more than ``usable_memory = min(total * gpu_memory_fraction,
-    total - reserve)`` and never asks the driver for a segment that would leave less than
-    ``min_free_bytes`` free on the device.
+    Limits (:data:`LIMIT_FIELDS`; docs/pressure_and_oom.md): ``usable_memory = min(total *
+    gpu_memory_fraction, total - reserve)`` and ``min_free_bytes`` left free on the device.
+    Left at their defaults they are *soft*: they bound what the pool keeps cached (a growth
+    past them first releases cached memory) and set the pressure scale (past usable memory is
+    CRITICAL), but never refuse a request the device can serve. A limit the user sets (a value
+    passed here, to :meth:`replace` or a ``with_*`` method, to ``gpumem.configure``, a
+    ``GPUMEM_*`` variable, a capping preset) is *hard*: the manager never holds more than it
+    allows, and an OutOfMemoryError names it. :attr:`user_limits` says which are hard;
+    :meth:`with_soft_limits` sets a value that stays soft.
     """
 
     gpu_memory_fraction: float = 0.9
@@ -314,22 +327,82 @@ class MemoryConfig:
             raise InvalidInputError(
                 f"{name} must be <= 2**62 (4 EiB), got {value}")
 
+    # --- limits: soft or hard ---------------------------------------------------------------
+    @property
+    def user_limits(self) -> frozenset[str]:
+        """The :data:`LIMIT_FIELDS` the user set: hard limits. The others are soft (at their
+        defaults, or set through :meth:`with_soft_limits`)."""
+        return self.__dict__.get("_user_limits", frozenset())
+
+    def is_hard(self, name: str) -> bool:
+        """Whether limit ``name`` (one of :data:`LIMIT_FIELDS`) refuses requests: True when the
+        user set it. ``reserve_bytes`` and ``max_pool_size`` left at None limit nothing."""
+        if name not in LIMIT_FIELDS:
+            raise InvalidInputError(f"{name!r} is not a limit; the limits are "
+                                    f"{', '.join(LIMIT_FIELDS)}")
+        return name in self.user_limits and getattr(self, name) is not None
+
+    def limit_kinds(self) -> dict[str, str]:
+        """``{field: "hard" | "soft" | "off"}`` for each of :data:`LIMIT_FIELDS` ("off":
+        ``reserve_bytes`` left to the backend's advice is soft; ``max_pool_size=None`` caps
+        nothing)."""
+        kinds = {}
+        for name in LIMIT_FIELDS:
+            if name == "max_pool_size" and self.max_pool_size is None:
+                kinds[name] = "off"
+            else:
+                kinds[name] = "hard" if self.is_hard(name) else "soft"
+        return kinds
+
+    def describe_limits(self) -> str:
+        """One line for ``gpumem info`` and summaries: each limit, its value and its kind."""
+        from gpumem.units import format_bytes
+        parts = []
+        for name, kind in self.limit_kinds().items():
+            value = getattr(self, name)
+            if name == "reserve_bytes" and value is None:
+                text = "backend's advice"
+            elif value is None:
+                text = "none"
+            elif name == "gpu_memory_fraction":
+                text = str(value)
+            else:
+                text = format_bytes(value)
+            parts.append(f"{name}={text} ({kind})")
+        return ", ".join(parts)
+
+    def with_soft_limits(self, **values: Any) -> "MemoryConfig":
+        """A copy whose named limits (of :data:`LIMIT_FIELDS`) take these values as *soft*
+        limits: they bound the cache and set the pressure scale but never refuse a request the
+        device can serve, e.g. ``MemoryConfig().with_soft_limits(gpu_memory_fraction=0.8)``."""
+        wrong = sorted(set(values) - set(LIMIT_FIELDS))
+        if wrong:
+            raise InvalidInputError(f"with_soft_limits takes limits only ({', '.join(LIMIT_FIELDS)}); "
+                                    f"got {wrong}")
+        new = self.replace(**values)
+        object.__setattr__(new, "_user_limits", self.user_limits - set(values))
+        return new
+
     # --- presets ----------------------------------------------------------------------------
     @classmethod
     def default(cls) -> "MemoryConfig":
-        """Balanced settings: 90 % of the device, CPU fallback on, 512 MiB kept free."""
+        """Balanced settings; caps nothing: 90 % of the device and 512 MiB kept free as soft
+        limits (the cache is trimmed to them; requests the device can serve are served), CPU
+        fallback on."""
         return cls()
 
     @classmethod
     def for_inference(cls) -> "MemoryConfig":
-        """Long-running serving: a larger share of the device, a capped cache, no fallback
+        """Long-running serving; caps the cache, not the data: a cache of at most 2 GiB
+        (max_pool_size), 95 % of the device and 256 MiB kept free as soft limits, no fallback
         (a server should fail fast rather than run slowly on the CPU)."""
-        return cls(gpu_memory_fraction=0.95, cpu_fallback_enabled=False,
-                   min_free_bytes=256 * MiB, max_pool_size=2 * GiB)
+        return cls(cpu_fallback_enabled=False, max_pool_size=2 * GiB).with_soft_limits(
+            gpu_memory_fraction=0.95, min_free_bytes=256 * MiB)
 
     @classmethod
     def for_constrained(cls) -> "MemoryConfig":
-        """Small or shared devices: leave room for others, cache little, release early."""
+        """Small or shared devices; caps: at most 70 % of the device and 128 MiB left free
+        (hard limits), a cache of at most 256 MiB, released early."""
         return cls(gpu_memory_fraction=0.7, min_free_bytes=128 * MiB,
                    max_pool_size=256 * MiB, max_pooled_per_bucket=2,
                    large_segment=10 * MiB, max_split_size=64 * MiB,
@@ -343,7 +416,12 @@ class MemoryConfig:
         if unknown:
             raise InvalidInputError(
                 f"unknown MemoryConfig field(s) {unknown}; fields are {sorted(names)}")
-        return dataclasses.replace(self, **changes)
+        new = dataclasses.replace(self, **changes)
+        # the limits set here become hard; the others keep their kind (dataclasses.replace
+        # passes every field to __init__, which would mark them all)
+        object.__setattr__(new, "_user_limits",
+                           self.user_limits | set(changes).intersection(LIMIT_FIELDS))
+        return new
 
     def with_gpu_memory_fraction(self, fraction: float) -> "MemoryConfig":
         """A copy using this fraction of the device (0, 1]."""
@@ -415,6 +493,23 @@ class MemoryConfig:
             names = ", ".join(f"GPUMEM_{n.upper()}={env.get('GPUMEM_' + n.upper(), '')!r}"
                               for n in culprits) or "GPUMEM_* variables"
             raise InvalidInputError(f"{names}: {exc}") from None
+
+
+_dataclass_init = MemoryConfig.__init__
+_INIT_ORDER = tuple(f.name for f in dataclasses.fields(MemoryConfig) if f.init)
+
+
+@functools.wraps(_dataclass_init)
+def _init_noting_limits(self: MemoryConfig, *args: Any, **kwargs: Any) -> None:
+    # which limits the caller passed (a value equal to the default included: it is still the
+    # user's): those are hard. Kept beside the fields, not as one: equality, the environment
+    # and reconfigure() see the values only
+    given = set(kwargs).union(_INIT_ORDER[:len(args)])
+    object.__setattr__(self, "_user_limits", frozenset(given.intersection(LIMIT_FIELDS)))
+    _dataclass_init(self, *args, **kwargs)
+
+
+MemoryConfig.__init__ = _init_noting_limits  # type: ignore[method-assign]
 
 
 def _warn_unknown_variables(env: Mapping[str, str]) -> None:

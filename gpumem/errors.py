@@ -167,8 +167,9 @@ class GpumemWarning(UserWarning):
 
 
 class CpuFallbackWarning(GpumemWarning):
-    """A manager served a request from host memory because its device was exhausted (emitted
-    once per manager, on its first fallback; each fallback is also logged)."""
+    """A manager served a request from host memory because its device, or a hard limit the
+    user set, refused it; the message says which (emitted once per manager, on its first
+    fallback; each fallback is also logged)."""
 
 
 class UnknownSettingWarning(GpumemWarning):

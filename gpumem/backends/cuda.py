@@ -43,6 +43,10 @@ CUDA_ALIGNMENT = 256
 
 _INSTALL_HINT = "cuda-python is not installed (pip install gpumem-pool[cuda])"
 
+#: device index -> bytes the driver, contexts and other processes held when this process first
+#: opened the device (CudaDevice.recommended_reserve); written once per index, under the GIL
+_DRIVER_TAKES: dict[int, int] = {}
+
 
 # --------------------------------------------------------------------------------------------
 # Backend
@@ -212,6 +216,7 @@ class CudaDevice(CudaVirtualMemory, Device):
         self._finalizer = weakref.finalize(self, _release_primary, driver, self._dev,
                                            self._released)
         self._vm_init()
+        self._measure_driver_take()
 
     # --- context handling --------------------------------------------------------------------
     @contextlib.contextmanager
@@ -236,8 +241,25 @@ class CudaDevice(CudaVirtualMemory, Device):
 
     # --- queries -------------------------------------------------------------------------------
     def recommended_reserve(self, total: int) -> int:
-        """Driver and context overhead plus an emergency margin (see usable_memory_reserve)."""
-        return usable_memory_reserve(total)
+        """What the driver does not leave to this process's allocators: ``total - free`` as
+        ``cuMemGetInfo`` said when this process first opened the device, its primary context
+        made (the driver, the context, and what other processes held then). PyTorch's caching
+        allocator has exactly what this leaves; so has a gpumem manager (a soft limit: it
+        refuses nothing). The estimate ``usable_memory_reserve(total, fraction=0)`` when the
+        driver could not say."""
+        taken = _DRIVER_TAKES.get(self.index)
+        return usable_memory_reserve(total, fraction=0.0) if taken is None else min(taken, total)
+
+    def _measure_driver_take(self) -> None:
+        """Once per device per process, after the primary context exists: what the driver
+        and contexts hold before any allocator of this process asked for memory."""
+        if self.index in _DRIVER_TAKES:
+            return
+        try:
+            free, total = self.mem_get_info()
+        except DriverError:
+            return                                # recommended_reserve estimates instead
+        _DRIVER_TAKES.setdefault(self.index, max(0, total - free))
 
     def properties(self) -> DeviceProperties:
         if self._props is not None:
@@ -274,7 +296,7 @@ class CudaDevice(CudaVirtualMemory, Device):
             extra["driver_version"] = f"{version // 1000}.{(version % 1000) // 10}"
         except Exception:
             pass
-        extra["usable_memory_reserve"] = usable_memory_reserve(total)
+        extra["driver_reserve"] = self.recommended_reserve(total)
         extra["native_calls"] = type(drv).__name__ == "NativeDriver"
         self._props = DeviceProperties(name=name, total_memory=total, alignment=CUDA_ALIGNMENT,
                                        extra=extra)

@@ -84,8 +84,10 @@ def _demo_manual(dev: Any, *, expandable: bool = True) -> list:
     MiB, GiB = 1 << 20, 1 << 30
     record: list = []
     with gpumem_sim.using(dev):
+        # gpu_memory_fraction written here is a hard limit (the default's is soft): the demo's
+        # last step goes over it to show the CPU fallback
         cfg = MemoryConfig(track_allocations=True, min_free_bytes=0, cpu_fallback_enabled=True,
-                           expandable_segments=expandable)
+                           gpu_memory_fraction=0.9, expandable_segments=expandable)
         with MemoryManager("sim:0", cfg) as mm:
             grows = mm.expandable_segments is not None
             kind = ("expandable segments: a large segment grows in place by mapping pages"

@@ -35,6 +35,10 @@ def cmd_info(args: argparse.Namespace) -> int:
                    used_ratio=ratio,
                    pressure=pressure_level(ratio, config.pressure_thresholds).name)
         rows.append(row)
+    limits = config.limit_kinds()
+    for row in rows:
+        if row["available"]:
+            row["limits"] = limits
     if args.json:
         json_out(rows)
         return EXIT_OK
@@ -49,6 +53,11 @@ def cmd_info(args: argparse.Namespace) -> int:
              f"{r['pressure']} ({r['used_ratio']:.0%} of usable in use)")
     say(f"usable = min(total x gpu_memory_fraction {config.gpu_memory_fraction}, total - "
          f"reserve); pressure counts memory already in use on the device")
+    hard = [n for n, k in limits.items() if k == "hard"]
+    say(f"limits: {config.describe_limits()}")
+    say("  soft: trims the cache and sets the pressure scale, never refuses what the device can "
+        "serve; hard (" + (", ".join(hard) if hard else "none set") + "): refuses, named in "
+        "the OOM (docs/pressure_and_oom.md)")
     from gpumem.cli.groups import group_lines
     lines = group_lines(live_only=True)           # dead and refused ledgers: one line
     if lines:

@@ -140,12 +140,13 @@ def _build_plugin_class() -> type:
 
         def get_memory_info(self) -> Any:
             """``(free, total)``: total is the device's; free is what gpumem can still hand
-            out: the driver's free bytes plus the pool's cached bytes, within usable memory."""
+            out: the driver's free bytes plus the pool's cached bytes, within the manager's
+            hard limit (hold_limit: the device's total unless the user capped it)."""
             mm = self.manager
             driver_free, total = mm.memory_info()
             stats = mm.stats()
             free = min(driver_free + stats.cached_bytes,
-                       max(0, mm.usable_memory - stats.in_use_bytes))
+                       max(0, mm.hold_limit - stats.in_use_bytes))
             return MemoryInfo(free=free, total=total)
 
         def reset(self) -> None:

@@ -166,11 +166,12 @@ def allocate_batch(manager: "Allocator", sizes: Iterable[int], *, stream: Any = 
     3. The remaining small requests (rounded size <= ``small_size``) are carved from one new
        small-pool segment and the remaining large ones from one new large-pool segment, each
        sized for the sum of the rounded sizes (at least the segment a single miss would get).
-       A segment is asked of the driver only within ``usable_memory`` and ``min_free_bytes``.
+       A segment is asked of the driver only within the manager's limits (soft ones trim
+       the cache first; hard ones refuse: docs/pressure_and_oom.md).
        With ``max_split_size`` set, requests of that size or more get segments of their own
        (the pool never splits such blocks) and the others are grouped below it.
     4. Whatever is left (the combined segment was not allowed or was refused, a request larger
-       than usable memory) goes through the manager's normal ladder one by one, which may
+       than the hard cap) goes through the manager's normal ladder one by one, which may
        release cache, call OOM callbacks and fall back to the CPU as ``malloc`` would.
 
     On any failure every buffer allocated by the call is freed, the segments the call added are
@@ -211,7 +212,7 @@ def _fill(miss: MissPath, malloc: Callable[..., Any] | None, nbytes: list[int], 
           tag: Any, out: list[Any]) -> None:
     growth = miss.growth
     pool = growth.pool
-    usable = growth.usable_memory
+    usable = growth.hold                  # the most the manager may hold
     max_split = growth.config.max_split_size
     order = sorted(range(len(nbytes)), key=lambda i: nbytes[i], reverse=True)
     one_by_one = [i for i in order if nbytes[i] > usable]      # cannot fit in one segment

@@ -405,7 +405,7 @@ class ExpandableSegments:
         free, _ = self._dev.mem_get_info()
         if not mm.segment_allowed(extra, mm.device_bytes(), free):
             return None
-        size = _round_up(max(mm.usable_memory, extra), self.page)
+        size = _round_up(max(mm.hold, extra), self.page)
         step = self.sizing.cheap_step(extra, nbytes, size, free)
         roomy = step is not None
         if roomy:

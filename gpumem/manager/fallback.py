@@ -1,4 +1,4 @@
-"""CPU fallback: host memory handed out when the device is exhausted.
+"""CPU fallback: host memory handed out when the device (or a user's hard limit) refuses.
 
 A manager's first fallback emits a :class:`gpumem.CpuFallbackWarning` (each one is logged);
 ``malloc(..., fallback=False)`` or ``MemoryConfig(cpu_fallback_enabled=False)`` refuse it. The

@@ -1,8 +1,8 @@
 """Segment growth: where a manager's pool gets memory from, and how it gives it back.
 
 :class:`SegmentGrowth` is the one object behind which the pool grows and shrinks: plain
-segments from the driver (within ``usable_memory`` and ``min_free_bytes``, giving idle cached
-segments back first as the config asks), expandable segments (their pages mapped, moved and
+segments from the driver (within the hard limits; past the soft ones idle cached memory is
+given back first: :mod:`gpumem.manager.limits`), expandable segments (their pages mapped, moved and
 trimmed: :mod:`gpumem.manager.expandable`), the segments a batch carves many requests from
 (:mod:`gpumem.manager.batch`), and every release of cached memory (``empty_cache``, ``shrink``,
 the cache cap, pressure responses, the OOM ladder, ``close``). The miss path
@@ -54,7 +54,8 @@ class Growth(Protocol):
     pool: CachingPool
     device: Device
     config: MemoryConfig
-    usable_memory: int             # the most bytes the pool may hold from the device
+    usable_memory: int             # the soft limit: the cache is trimmed past it (pressure scale)
+    hold: int                      # the most bytes the pool may hold: a hard limit, else the total
     streams: StreamBook            # the streams the pool serves (which are dead)
     expandable: ExpandableSegments | None
 
@@ -87,6 +88,12 @@ class SegmentGrowth:
         self.device = device
         self.config = config
         self.usable_memory = usable_memory
+        self.hold = usable_memory                 # set_limits() says what is hard
+        self.min_free_hard = 0
+        # the device's free memory as last read with what the pool held then: a growth far
+        # from the soft min_free_bytes needs no extra driver call to know it
+        self._seen_free = 0
+        self._seen_reserved = 0
         self.lock = lock
         self.streams = streams
         self.pressure = pressure
@@ -96,6 +103,13 @@ class SegmentGrowth:
         self.shared: SharedBudget | None = None
         self.expandable: ExpandableSegments | None = (ExpandableSegments(self) if expandable
                                                       else None)
+
+    def set_limits(self, usable: int, hold: int, min_free_hard: int) -> None:
+        """The soft scale (``usable``), the hard cap on held bytes (``hold``: a user's limit,
+        else the device's total) and the hard free margin (0 when min_free_bytes is soft)."""
+        self.usable_memory = usable
+        self.hold = hold
+        self.min_free_hard = min_free_hard
 
     # --- Buffers from the pool (through the core) --------------------------------------------
     def alloc_cached(self, nbytes: int, stream: int, tag: Any) -> Buffer | None:
@@ -130,10 +144,12 @@ class SegmentGrowth:
 
     # --- growth ----------------------------------------------------------------------------------
     def grow(self, nbytes: int, stream: int, tag: Any) -> Buffer | None:
-        """A new segment (or expandable pages) for a miss, within usable_memory and
-        min_free_bytes; None when the limits or the driver refuse. Runs under ``lock``."""
+        """A new segment (or expandable pages) for a miss, within the hard limits, cached
+        memory given back first past the soft ones; None when a hard limit or the driver
+        refuses. Runs under ``lock``."""
         self._check_fragmentation(nbytes)
         rounded = self.pool.round_size(nbytes)
+        self._keep_soft_limits(rounded)
         if self.expandable is not None and rounded > self.pool.small_size:
             buf = self.expandable.grow(nbytes, stream, tag)
             if buf is not None:
@@ -208,17 +224,58 @@ class SegmentGrowth:
 
     def segment_allowed(self, seg_size: int, reserved: int, free: int, *,
                         ask_others: bool = True) -> bool:
-        """Whether ``seg_size`` more bytes stay within usable memory (``reserved`` held now:
-        :meth:`device_bytes`, never the pool's count alone),
-        leave ``min_free_bytes`` of the driver's ``free`` and (in a shared group) stay within
-        the group's budget, the others asked to hand back cached memory first unless
-        ``ask_others`` is False (a larger size that is only worth having if it is free now)."""
-        if reserved + seg_size > self.usable_memory:
+        """Whether ``seg_size`` more bytes may come from the device (``reserved`` held now:
+        :meth:`device_bytes`, never the pool's count alone; ``free`` on the device): within
+        the hard limits (``hold``, a hard min_free_bytes), no more than the device has free, and (in a shared group) within the group's budget, the
+        others asked to hand back cached memory first (to keep the soft min_free_bytes too)
+        unless ``ask_others`` is False. Without ``ask_others`` (a larger size only worth having
+        if it is free now) the soft limits must hold as well."""
+        self._seen_free, self._seen_reserved = free, reserved
+        if reserved + seg_size > self.hold:
             return False
+        margin = self.min_free_hard
+        if not ask_others:
+            margin = max(margin, self.config.min_free_bytes)
+            if reserved + seg_size > self.usable_memory:
+                return False
         if self.shared is not None:           # the group's budget; others may hand back cache
-            return self.shared.allow(seg_size, reserved, free, self.config.min_free_bytes,
-                                     lambda: self.device.mem_get_info()[0], ask=ask_others)
-        return free - seg_size >= self.config.min_free_bytes
+            device_free = lambda: self.device.mem_get_info()[0]   # noqa: E731
+            soft = self.config.min_free_bytes
+            if ask_others and soft > margin and free - seg_size < soft:
+                # past the soft margin: the others hand back cache first, then the device
+                # decides (they were asked once in this miss: the second call asks nobody)
+                if self.shared.allow(seg_size, reserved, free, soft, device_free):
+                    return True
+                free = device_free()
+            return self.shared.allow(seg_size, reserved, free, margin, device_free,
+                                     ask=ask_others)
+        return free - seg_size >= margin
+
+    def _keep_soft_limits(self, nbytes: int) -> None:
+        """Before a growth of ``nbytes``: past the soft limits (usable memory, min_free_bytes
+        left free on the device) idle cached memory goes back to the device first, as much as
+        the growth overshoots them. The request goes to the driver whatever this frees. Asks
+        the driver only when the free memory last seen, less what the pool took since, is
+        near min_free_bytes."""
+        pool = self.pool
+        reserved = self.device_bytes()
+        # a hard limit is not trimmed for here: it refuses, and the ladder releases and retries
+        over = (reserved + nbytes - self.usable_memory if self.hold > self.usable_memory
+                else 0)
+        min_free = self.config.min_free_bytes if self.min_free_hard == 0 else 0
+        near_margin = (min_free and self._seen_free - max(0, reserved - self._seen_reserved)
+                       - nbytes < min_free)
+        if over <= 0 and not near_margin:
+            return
+        if not pool.whole_free_bytes and not (self.expandable is not None
+                                              and self.expandable.trimmable()):
+            return                                # nothing cached could go back
+        if near_margin:                           # the driver's figure
+            free = self.device.mem_get_info()[0]
+            self._seen_free, self._seen_reserved = free, reserved
+            over = max(over, min_free - (free - nbytes))
+        if over > 0:
+            self.release_cached(over, reason="soft limit: cache trimmed before a growth")
 
     def _check_fragmentation(self, nbytes: int) -> None:
         """On a miss that needs a new segment: warn when the cache holds enough free bytes for

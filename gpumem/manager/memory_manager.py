@@ -44,8 +44,10 @@ from gpumem.config import MAX_BYTES, MemoryConfig
 from gpumem.errors import ClosedManagerError, InvalidInputError
 from gpumem.manager.growth import SegmentGrowth
 from gpumem.manager.interfaces import OomCallback
+from gpumem.manager.limits import hard_min_free, hold_limit
 from gpumem.manager.live_config import check_live_change, usable_bytes
 from gpumem.manager.measure import PeakWindows
+from gpumem.manager import neighbour
 from gpumem.manager.miss_path import MissPath
 from gpumem.manager.pressure import MemoryPressure, PressureCallback, PressureWatch
 from gpumem.manager.stream_book import StreamBook
@@ -158,7 +160,6 @@ class MemoryManager(ManagerCore):
         self._config = config       # the one the parts hold too (reconfigure pushes a new one)
         self.total_memory = total
         usable = usable_bytes(config, total, dev.recommended_reserve(total))
-        self._set_limits(usable, config.max_pool_size)
         self._slow = threading.RLock()
         self._recorders: list[HistoryRecorder] = []    # running; guarded by _slow
         self._history_before_recording: int | None = None
@@ -176,6 +177,7 @@ class MemoryManager(ManagerCore):
         self._miss = MissPath(core, self._growth, self._streams, config, total,
                               _host_maker(self), self._recorders)
         self._set_slow_path(self._miss)
+        self._push_limits(config, usable)
         if config.shared_group is not None:       # a budget shared with other processes
             from gpumem.placement.shared_budget import SharedBudget   # placement: layer above
             self._growth.shared = SharedBudget(self._growth, dev, config, total)
@@ -183,6 +185,8 @@ class MemoryManager(ManagerCore):
         self._set_tracking(config)
         dev.add_stream_listener(self._streams.on_stream_destroyed)
         peers.register(self)
+        if not dev.holds_host_memory:
+            neighbour.watch(self)               # cache back when others need the device
 
     # --- configuration ----------------------------------------------------------------------
     @property
@@ -217,14 +221,15 @@ class MemoryManager(ManagerCore):
             for part in (self._growth, self._miss, self._pressure):
                 part.config = new
             self._growth.max_pool_size = new.max_pool_size
-            self.usable_memory = usable
-            self._set_limits(usable, new.max_pool_size)
+            self._push_limits(new, usable)
             if (old.track_allocations, old.track_stacks) != (new.track_allocations,
                                                              new.track_stacks):
                 self._set_tracking(new)
             self._growth.trim_cache()
             over = self.pool.reserved_bytes - usable
             if over > 0:                      # a narrower limit: give back what the cache can
+                # (a soft one bounds the cache; a hard one the cache cannot meet is met as
+                # buffers are freed: growth stops at it)
                 self._growth.release_cached(over, reason="reconfigure")
             self._growth.reserved_changed()   # the level under the new limit and thresholds
 
@@ -250,16 +255,36 @@ class MemoryManager(ManagerCore):
         """True once :meth:`close` has run."""
         return self._closed
 
+    def _push_limits(self, config: MemoryConfig, usable: int) -> None:
+        """Tell the parts and the core the soft scale and the hard limits of ``config``."""
+        hold = hold_limit(config, self.total_memory)
+        self._growth.set_limits(usable, self.total_memory if hold is None else hold,
+                                hard_min_free(config))
+        self._pressure.usable_memory = usable
+        # the core refuses at once (no driver call) only what a hard limit or the device
+        # could never hold
+        self._set_limits(self.total_memory if hold is None else hold, config.max_pool_size)
+
     @property
     def usable_memory(self) -> int:
-        """The most bytes the pool may hold from the device: ``min(total *
-        gpu_memory_fraction, total - reserve)``."""
+        """``min(total * gpu_memory_fraction, total - reserve)``: the soft limit (the cache is
+        trimmed past it, pressure is CRITICAL above it), or the hard cap when the user set
+        one of these (docs/pressure_and_oom.md)."""
         return self._growth.usable_memory
 
     @usable_memory.setter
     def usable_memory(self, nbytes: int) -> None:
-        # tests narrow it to reach a limit; growth and pressure read the one value
-        self._growth.usable_memory = self._pressure.usable_memory = nbytes
+        # an assigned usable memory is the caller's own limit: hard, like a configured one
+        self._growth.set_limits(nbytes, nbytes, self._growth.min_free_hard)
+        self._pressure.usable_memory = nbytes
+        self._set_limits(nbytes, self._config.max_pool_size)
+
+    @property
+    def hold_limit(self) -> int:
+        """The most bytes this manager may hold from the device: a hard limit the user set
+        (gpu_memory_fraction, reserve_bytes, usable_memory assigned), else the device's total
+        memory."""
+        return self._growth.hold
 
     @property
     def expandable_segments(self) -> ExpandableSegments | None:
@@ -574,6 +599,7 @@ class MemoryManager(ManagerCore):
                     warnings.warn(f"gpumem: the leak report of {self.device_string} failed "
                                   f"while closing: {exc!r}", RuntimeWarning)
             self._mark_closed()
+            neighbour.unwatch(self)
             # A device closed first (its context released at interpreter exit) took its
             # memory with it: nothing is left to return.
             if not getattr(self.device, "closed", False):

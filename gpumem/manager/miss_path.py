@@ -1,9 +1,11 @@
 """The miss path of a MemoryManager: what runs when the cache cannot serve a request.
 
-The OOM ladder: the cache, then blocks of idle streams, then a new segment within the limits
-(giving idle cached segments back first when growth would set a new high-water mark), then
-waiting for deferred frees, then releasing the cache and retrying, then the other managers on
-the device, then the OOM callbacks, then CPU fallback, then an OutOfMemoryError that says why.
+The OOM ladder: the cache, then blocks of idle streams, then a new segment within the hard
+limits (giving idle cached segments back first when growth would set a new high-water mark or
+pass a soft limit; soft limits never refuse: docs/pressure_and_oom.md), then waiting for
+deferred frees, then releasing the cache and retrying, then the other managers on the device,
+then the OOM callbacks, then CPU fallback, then an OutOfMemoryError that says who refused: the
+device, a shared group's budget or a user's hard limit.
 Segments themselves come and go through :class:`~gpumem.manager.growth.SegmentGrowth`.
 
 :class:`MissPath` is the part the manager's Cython core calls off the hot path (its *slow
@@ -26,7 +28,8 @@ from gpumem._core.manager_base import stream_handle
 from gpumem.errors import (ClosedManagerError, CpuFallbackWarning, DriverError,
                            ForeignBufferError, OutOfMemoryError)
 from gpumem.manager.fallback import FallbackBuffer
-from gpumem.manager.limits import device_reserve, refusal_causes
+from gpumem.manager.group_advice import group_cause
+from gpumem.manager.limits import SOFT_NOTE, device_reserve, refusal_causes, who_refused
 from gpumem.placement import peers
 from gpumem.units import format_bytes
 
@@ -138,7 +141,7 @@ class MissPath:
             if manager.closed:
                 raise ClosedManagerError(f"the manager for {manager.device_string} is closed")
             self.streams.ensure(stream)
-            if nbytes > growth.usable_memory:
+            if nbytes > growth.hold:
                 return None                       # can never fit: no driver call, cache kept
             shared = growth.shared                # a shared group: others may hand back cache
             if shared is not None:
@@ -171,33 +174,32 @@ class MissPath:
         """The OutOfMemoryError for a request nothing could serve, saying why (and counted)."""
         self.num_ooms += 1
         growth, cfg = self.growth, self.config
-        device, pool, usable = growth.device, growth.pool, growth.usable_memory
-        try:
-            free, total = device.mem_get_info()
-        except DriverError:
-            free, total = None, self._total
+        device, pool, usable = growth.device, growth.pool, growth.hold
+        # the hard limits that refused it, named with their values and how to change them
+        free, total, causes = self._refusal(nbytes)
         reserved = pool.reserved_bytes
         in_use = pool.in_use_bytes
-        # the settings that refused it, named with their values and how to change them
-        causes = refusal_causes(nbytes, config=cfg, total=self._total,
-                                reserve=device_reserve(cfg, device, self._total),
-                                usable=usable, reserved=reserved, free=free)
+        shared = growth.shared if growth.shared is not None and growth.shared.active else None
         if nbytes > self._total:
             reason = "the request exceeds the device's total memory"
         else:
             if causes:
                 reason = "; ".join(causes)
             elif free is not None and free < nbytes:
-                reason = (f"device, cache and callbacks exhausted: the device has only "
-                          f"{format_bytes(free)} free (no gpumem setting refused it)")
+                reason = (f"the device refused it: it has only {format_bytes(free)} free (no "
+                          f"gpumem setting refused it; {SOFT_NOTE})")
             else:
-                reason = "device, cache and callbacks exhausted"
+                reason = "the device refused it: device, cache and callbacks exhausted"
+            if shared is not None:
+                # what the group's other members hold comes first, unless this manager's own
+                # cap refused it (a margin on the device is short because of them)
+                group = group_cause(shared, self._core.manager)
+                own_cap = any(not c.startswith("min_free_bytes") for c in causes)
+                reason = f"{reason}; {group}" if own_cap else f"{group}; {reason}"
             if not cfg.cpu_fallback_enabled:
                 reason += "; CPU fallback is disabled"
             elif fallback_refused:
                 reason += "; CPU fallback refused by malloc(fallback=False)"
-        if growth.shared is not None and growth.shared.active:
-            reason += "; " + growth.shared.describe()
         cached = reserved - in_use
         largest = pool.largest_free_block()
         fits = nbytes <= usable                  # else how the cache looks is beside the point
@@ -221,6 +223,19 @@ class MissPath:
         on_oom(self._core.manager, err)       # err.history; the dump of GPUMEM_DUMP_ON_OOM
         return err
 
+    def _refusal(self, nbytes: int) -> tuple[int | None, int, list[str]]:
+        """``(device free, total, the hard limits that refused nbytes)``, read now."""
+        growth, cfg = self.growth, self.config
+        try:
+            free, total = growth.device.mem_get_info()
+        except DriverError:
+            free, total = None, self._total
+        hold = growth.hold if growth.hold < self._total else None
+        causes = refusal_causes(nbytes, config=cfg, total=self._total,
+                                reserve=device_reserve(cfg, growth.device, self._total),
+                                hold=hold, reserved=growth.device_bytes(), free=free)
+        return free, total, causes
+
     # --- CPU fallback ---------------------------------------------------------------------------
     def _fallback(self, nbytes: int, stream: int, tag: Any) -> FallbackBuffer:
         device_string = self.growth.device.device_string
@@ -234,8 +249,10 @@ class MissPath:
                 # before the host allocation: a filter that turns this warning into an error
                 # then leaves nothing allocated. stacklevel 3: the caller of malloc (Cython
                 # frames do not count)
+                free, _, causes = self._refusal(nbytes)
                 warnings.warn(
-                    f"gpumem: {device_string} is exhausted; {format_bytes(nbytes)} served "
+                    f"gpumem: {device_string}: {who_refused(nbytes, causes, free)}; "
+                    f"{format_bytes(nbytes)} served "
                     f"from CPU memory (a FallbackBuffer). Later fallbacks are only logged. "
                     f"Refuse it with malloc(..., fallback=False) or "
                     f"MemoryConfig(cpu_fallback_enabled=False).",
@@ -246,8 +263,8 @@ class MissPath:
         self.cpu_fallbacks += 1
         self.fallback_bytes += nbytes
         self.fallback_live += 1
-        log.warning("%s: device exhausted, %s served from CPU memory (fallback #%d)",
-                    device_string, format_bytes(nbytes), self.cpu_fallbacks)
+        log.warning("%s: %s served from CPU memory (fallback #%d: the device or a hard "
+                    "limit refused it)", device_string, format_bytes(nbytes), self.cpu_fallbacks)
         self._core.notify_alloc(fb)
         for recorder in list(self._recorders):
             recorder.note_fallback(fb, "a")

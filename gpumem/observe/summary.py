@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from gpumem.errors import ClosedManagerError, DriverError, InvalidInputError
-from gpumem.manager.limits import allocatable_bytes
+from gpumem.manager.limits import allocatable_bytes, hard_min_free
 from gpumem.stats import StatsDict
 from gpumem.units import format_bytes
 
@@ -92,10 +92,11 @@ def summary_data(manager: SummarySource, *, top_tags: int = 5) -> SummaryData:
         "device": st.device, "device_name": manager.device.properties().name,
         "device_free_bytes": free, "device_total_bytes": total,
         "usable_bytes": manager.usable_memory,
-        # what can be allocated: usable memory, less what min_free_bytes keeps free
-        "allocatable_bytes": allocatable_bytes(manager.usable_memory, st.reserved_bytes, free,
-                                               manager.config.min_free_bytes),
+        # what can be allocated: the hard cap (else the device), less a hard min_free_bytes
+        "allocatable_bytes": allocatable_bytes(manager.hold_limit, st.reserved_bytes, free,
+                                               hard_min_free(manager.config)),
         "min_free_bytes": manager.config.min_free_bytes,
+        "limits": manager.config.limit_kinds(),
         "pressure": manager.pressure().name, "pressure_ratio": manager.pressure_ratio(),
         "reserved_bytes": st.reserved_bytes, "peak_reserved_bytes": st.peak_reserved_bytes,
         "in_use_bytes": st.in_use_bytes, "peak_in_use_bytes": st.peak_in_use_bytes,
@@ -124,8 +125,9 @@ def format_summary(d: dict[str, Any]) -> str:
         f"gpumem memory summary: {d['device']} ({d['device_name']})",
         f"device: {free} free of {fb(d['device_total_bytes'])} (driver), pressure "
         f"{d['pressure']} ({d['pressure_ratio']:.1%})",
-        f"usable {fb(d['allocatable_bytes'])} (usable_memory {fb(d['usable_bytes'])}; "
-        f"min_free_bytes {fb(d['min_free_bytes'])} is kept free on the device)",
+        f"usable {fb(d['allocatable_bytes'])} (usable_memory {fb(d['usable_bytes'])}, "
+        f"{d['limits']['gpu_memory_fraction']}; min_free_bytes {fb(d['min_free_bytes'])}, "
+        f"{d['limits']['min_free_bytes']}: soft limits trim the cache, hard ones refuse)",
         rule,
         f"{'':<26}{'now':>16}{'peak':>16}",
         f"{'reserved (held)':<26}{fb(d['reserved_bytes']):>16}{fb(d['peak_reserved_bytes']):>16}",

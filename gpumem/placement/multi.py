@@ -10,7 +10,7 @@ Example::
 Placement policies (``policy=``):
 
 ``"most_free"`` (default)
-    The device with the most free *usable* memory, ``usable_memory - in_use_bytes`` of its
+    The device with the most room, ``hold_limit - in_use_bytes`` of its
     manager: bytes the manager may still hand out, counting its cached free bytes as free. Read
     from the pool's counters: no driver call. Ties go to the earlier device.
 ``"least_pressure"``
@@ -161,7 +161,7 @@ class MultiDeviceManager(PlacementCore):
         best = None
         best_free = -1
         for mgr, pool in self._counters:
-            free = mgr.usable_memory - pool.in_use_bytes
+            free = mgr.hold_limit - pool.in_use_bytes
             if free > best_free:
                 best, best_free = mgr, free
         if best is None:

@@ -18,6 +18,7 @@ from typing import Any, Iterable
 from gpumem.backends import Device, DeviceKind, backend_names, get_backend, open_device
 from gpumem.config import MemoryConfig
 from gpumem.errors import InvalidDeviceError, InvalidInputError, OutOfMemoryError
+from gpumem.manager.limits import hard_min_free, hold_limit
 from gpumem.planning.estimate import MemoryEstimate
 from gpumem.units import format_bytes
 
@@ -29,9 +30,9 @@ class DeviceRoom:
     """What a fresh MemoryManager with a given config could hold on one device.
 
     ``usable = min(total * gpu_memory_fraction, total - reserve)`` as in MemoryManager, and
-    ``room = min(usable, free - min_free_bytes)`` (never below 0): the manager never holds more
-    than ``usable`` and never asks the driver for memory that would leave less than
-    ``min_free_bytes`` free. ``host_memory``: the device's memory is the host's (``cpu``, a
+    ``room = min(hold, free - min_free_bytes)`` (never below 0) where ``hold`` is the config's
+    hard cap (else the device's total) and ``min_free_bytes`` counts only when hard: soft
+    limits (the defaults) never refuse what the device can hold. ``host_memory``: the device's memory is the host's (``cpu``, a
     CPU-type OpenCL device such as PoCL).
     """
 
@@ -77,7 +78,9 @@ def _room(dev: Device, cfg: MemoryConfig) -> DeviceRoom:
     if reserve is None:
         reserve = dev.recommended_reserve(total)
     usable = max(0, min(int(total * cfg.gpu_memory_fraction), total - reserve))
-    room = max(0, min(usable, free - cfg.min_free_bytes))
+    # what a manager with cfg can hold there: its hard limits bound it, the soft ones do not
+    hold = hold_limit(cfg, total)
+    room = max(0, min(total if hold is None else hold, free - hard_min_free(cfg)))
     return DeviceRoom(device=dev.device_string, backend=dev.backend, index=dev.index,
                       free=free, total=total, usable=usable, room=room,
                       host_memory=dev.holds_host_memory)

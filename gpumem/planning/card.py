@@ -1,10 +1,15 @@
 """What a card of a given size leaves to each allocator, by the backend's own rule.
 
-``gpumem tune`` plans for a card (``4GiB`` of some kind), but a manager on that card never has
-all of it: gpumem keeps the backend's advised reserve back (CUDA: the driver, one context and a
-margin; docs/backends.md, "Usable-memory reserve"), and PyTorch's caching allocator has what the
-driver and context leave. :class:`Card` turns the card into the capacities the replays run on
-(a private simulated device of that size), and says so in words for the output.
+``gpumem tune`` plans for a card (``4GiB`` of some kind), but no allocator on that card has all
+of it: the driver and one context take their share first. Both allocators have what those
+leave, by one rule: on a real CUDA card gpumem measures it (``cuMemGetInfo`` once the context
+exists: ``CudaDevice.recommended_reserve``) and PyTorch's caching allocator simply has what the
+driver gives; planning without the card, tune assumes the same 500 MiB for the driver and 100 MiB
+for the context for both (docs/backends.md, "Usable-memory reserve"). gpumem's own limits
+(``gpu_memory_fraction``, ``min_free_bytes``) apply on top inside the replay, where at their
+defaults they are soft (docs/pressure_and_oom.md). :class:`Card` turns the card into the
+capacities the replays run on (a private simulated device of that size), and says so in words
+for the output.
 
 Thread safety: a Card is immutable; nothing here touches a driver.
 """
@@ -21,11 +26,12 @@ __all__ = ["Card", "CARD_KINDS", "card_size", "sim_device"]
 CARD_KINDS = ("cuda", "sim")
 
 
-def _cuda_reserve(total: int, *, for_torch: bool = False) -> int:
-    # the very function CudaDevice.recommended_reserve calls; importing it touches no driver
+def _cuda_reserve(total: int) -> int:
+    # what the driver and one context take, the estimate CudaDevice.recommended_reserve falls
+    # back on (on a card it measures them); importing it touches no driver. The same for both
+    # allocators: neither keeps a margin of its own beyond its soft limits
     from gpumem.backends.cuda_driver import usable_memory_reserve
-    # PyTorch keeps no margin of its own: it loses the driver and the context, not the 10 %
-    return usable_memory_reserve(total, fraction=0.0) if for_torch else usable_memory_reserve(total)
+    return usable_memory_reserve(total, fraction=0.0)
 
 
 def _sim_reserve(total: int) -> int:
@@ -75,7 +81,7 @@ class Card:
         """What PyTorch's caching allocator has on this card (the driver and one context
         taken, on CUDA; all of a simulated card)."""
         if self.kind == "cuda":
-            return (self.total - _cuda_reserve(self.total, for_torch=True)) // MiB * MiB
+            return (self.total - _cuda_reserve(self.total)) // MiB * MiB
         return self.total
 
     def capacity_for(self, allocator: str) -> int:
@@ -90,8 +96,9 @@ class Card:
         """Lines saying what each allocator was assumed to have on this card, and why."""
         fb = format_bytes
         if self.kind == "cuda":
-            why = (f"CUDA's usable-memory reserve, min(2 GiB, 500 MiB driver + 100 MiB "
-                   f"context + 10 % of the card) = {fb(self.gpumem_reserve)}; docs/backends.md")
+            why = (f"the card less {fb(self.gpumem_reserve)} for the driver and one context, "
+                   f"as PyTorch; on a real card gpumem measures what they take, "
+                   f"docs/backends.md")
             torch_why = (f"the card less {fb(self.total - self.torch_bytes)} for the driver "
                          f"and context; PyTorch keeps no reserve of its own")
         else:
@@ -99,7 +106,8 @@ class Card:
             torch_why = "all of a simulated card"
         return [f"gpumem has {fb(self.gpumem_bytes)} of {self.describe()} ({why}): its rows "
                 f"are replayed on {self.gpumem_device} with their own "
-                f"settings (gpu_memory_fraction, min_free_bytes, max_pool_size apply there too)",
+                f"settings (gpu_memory_fraction, min_free_bytes, max_pool_size apply there too: "
+                f"soft at their defaults, hard where a row sets them)",
                 f"PyTorch has {fb(self.torch_bytes)} ({torch_why})"]
 
 

@@ -6,11 +6,12 @@ device (:func:`gpumem.replay`), and PyTorch allocator settings through
 :class:`~gpumem.planning.torch_model.TorchAllocatorModel`.
 
 The card. A card of N bytes means what each allocator has on such a card by default
-(:class:`~gpumem.planning.card.Card`: CUDA's usable-memory reserve for gpumem, the driver and
-context for PyTorch), and each row is replayed on a simulated device of exactly that size. A
-gpumem row runs with the settings a user pastes (its preset's CPU fallback, ``min_free_bytes``
-and ``gpu_memory_fraction`` included), except that the CPU fallback is switched off in the
-replay so that a request the device refused is counted (an OOM here is a CPU fallback there).
+(:class:`~gpumem.planning.card.Card`: on CUDA, for both, the card less the driver and one
+context), and each row is replayed on a simulated device of exactly that size. A gpumem row
+runs with the settings a user pastes (its preset's CPU fallback, ``min_free_bytes`` and
+``gpu_memory_fraction`` included, soft or hard as the preset has them), except that the CPU
+fallback is switched off in the replay so that a request the device refused is counted (an OOM
+here is a CPU fallback there).
 
 The objective, in this order: fits with margin (no OOM even on a device smaller by the
 headroom: one more of the trace's largest request, or ``headroom_fraction`` of its peak live
@@ -279,13 +280,14 @@ def _limit(cand: Candidate, capacity: int, peak_live: int) -> str:
     else:
         cfg = cand.memory_config()
         terms = [(capacity, "the card")]
-        if cfg.gpu_memory_fraction < 1.0:
+        # only hard limits bound a row: the soft ones (the defaults) trim the cache
+        if cfg.is_hard("gpu_memory_fraction") and cfg.gpu_memory_fraction < 1.0:
             terms.append((int(capacity * cfg.gpu_memory_fraction),
                           f"gpu_memory_fraction={cfg.gpu_memory_fraction:g}"))
-        if cfg.min_free_bytes:
+        if cfg.is_hard("min_free_bytes") and cfg.min_free_bytes:
             terms.append((capacity - cfg.min_free_bytes,
                           f"min_free_bytes={_short(cfg.min_free_bytes)}"))
-        if cfg.reserve_bytes:
+        if cfg.is_hard("reserve_bytes") and cfg.reserve_bytes:
             terms.append((capacity - cfg.reserve_bytes,
                           f"reserve_bytes={_short(cfg.reserve_bytes)}"))
         bound, name = min(terms, key=lambda t: t[0])

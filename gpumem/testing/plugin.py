@@ -90,7 +90,8 @@ def _shared_group(config: pytest.Config) -> tuple[str, int | float] | None:
     workerinput = getattr(config, "workerinput", None)
     if workerinput is None:
         return None                             # one process: nobody to share with
-    return f"pytest-xdist-{workerinput['testrunuid'][:16]}", budget
+    from gpumem.manager.group_advice import PLUGIN_GROUP_PREFIX   # the OOM's advice names it
+    return f"{PLUGIN_GROUP_PREFIX}{workerinput['testrunuid'][:16]}", budget
 
 
 def _marker_kwargs(request: pytest.FixtureRequest) -> dict[str, Any]:

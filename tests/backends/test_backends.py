@@ -379,8 +379,8 @@ def test_properties_sane(backend, device):
         major, minor = props.extra["compute_capability"]
         assert major >= 1 and minor >= 0
         assert props.extra["multiprocessor_count"] > 0
-        assert props.extra["usable_memory_reserve"] == \
-            cuda_mod.usable_memory_reserve(props.total_memory)
+        assert props.extra["driver_reserve"] == device.recommended_reserve(props.total_memory)
+        assert 0 <= props.extra["driver_reserve"] <= props.total_memory
 
 
 def test_mem_get_info(device):

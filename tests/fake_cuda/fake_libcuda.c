@@ -56,6 +56,8 @@
  *   FAKE_CUDA_TOTAL_MEM             bytes per device, suffix K/M/G/T allowed (default 8G)
  *   FAKE_CUDA_NO_DEVICE=1           cuInit returns CUDA_ERROR_NO_DEVICE
  *   FAKE_CUDA_STREAM_BUSY_QUERIES   see above (default 0)
+ *   FAKE_CUDA_CONTEXT_BYTES         device memory a primary context takes while retained, as a
+ *                                   real one does (default 0; suffixes as TOTAL_MEM)
  *   (an unparsable value makes cuInit print why and return CUDA_ERROR_INVALID_VALUE)
  * Read when used:
  *   FAKE_CUDA_DRIVER_VERSION        what cuDriverGetVersion reports (default 13000)
@@ -116,7 +118,7 @@ struct CUevent_st {
 
 struct fake_device {
     size_t total;
-    size_t used;             /* sum of the sizes passed to live cuMemAlloc calls */
+    size_t used;             /* live cuMemAlloc sizes (and VMM handles), plus a live context's bytes */
     struct CUctx_st ctx;
     struct CUstream_st null_stream;   /* the default stream: 0, CU_STREAM_LEGACY, _PER_THREAD */
 };
@@ -137,6 +139,7 @@ static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
 static int g_init;
 static int g_ndev;
 static int g_busy_after_work;
+static size_t g_context_bytes;   /* FAKE_CUDA_CONTEXT_BYTES */
 static struct fake_device g_dev[FAKE_MAX_DEVICES];
 static struct fake_table g_dev_blocks;
 static struct fake_table g_host_blocks;
@@ -425,11 +428,17 @@ static CUresult init_impl(unsigned int flags)
     const char *nodev = getenv("FAKE_CUDA_NO_DEVICE");
     if (nodev && *nodev && strcmp(nodev, "0") != 0)
         return CUDA_ERROR_NO_DEVICE;
-    long long count, total, busy;
+    long long count, total, busy, ctx_bytes;
     if (env_int("FAKE_CUDA_DEVICE_COUNT", 1, 0, FAKE_MAX_DEVICES, &count) ||
         env_int("FAKE_CUDA_TOTAL_MEM", 8LL << 30, 1, (long long)(SIZE_MAX >> 1), &total) ||
-        env_int("FAKE_CUDA_STREAM_BUSY_QUERIES", 0, 0, 1 << 30, &busy))
+        env_int("FAKE_CUDA_STREAM_BUSY_QUERIES", 0, 0, 1 << 30, &busy) ||
+        env_int("FAKE_CUDA_CONTEXT_BYTES", 0, 0, (long long)(SIZE_MAX >> 1), &ctx_bytes))
         return CUDA_ERROR_INVALID_VALUE;
+    if ((size_t)ctx_bytes > (size_t)total) {
+        fprintf(stderr, "fake libcuda: FAKE_CUDA_CONTEXT_BYTES exceeds FAKE_CUDA_TOTAL_MEM\n");
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+    g_context_bytes = (size_t)ctx_bytes;
     if (count == 0)
         return CUDA_ERROR_NO_DEVICE;
     g_ndev = (int)count;
@@ -558,7 +567,8 @@ static CUresult primary_retain(CUcontext *pctx, CUdevice dev)
     TRY(need_device(dev));
     if (!pctx)
         return CUDA_ERROR_INVALID_VALUE;
-    g_dev[dev].ctx.refcount++;
+    if (g_dev[dev].ctx.refcount++ == 0)
+        g_dev[dev].used += g_context_bytes;     /* a context holds device memory while it lives */
     *pctx = &g_dev[dev].ctx;
     return CUDA_SUCCESS;
 }
@@ -572,7 +582,8 @@ static CUresult primary_release(CUdevice dev)
     TRY(need_device(dev));
     if (g_dev[dev].ctx.refcount <= 0)
         return CUDA_ERROR_INVALID_CONTEXT;
-    g_dev[dev].ctx.refcount--;
+    if (--g_dev[dev].ctx.refcount == 0)
+        g_dev[dev].used -= g_context_bytes;
     return CUDA_SUCCESS;
 }
 CUresult CUDAAPI cuDevicePrimaryCtxRelease(CUdevice dev) { LOCKED(primary_release(dev)); }

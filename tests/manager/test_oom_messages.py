@@ -1,8 +1,8 @@
 """What an OutOfMemoryError and memory_summary tell a user about the limits that refused them.
 
-Each setting that can refuse a request (``min_free_bytes``, ``gpu_memory_fraction``,
-``reserve_bytes``) is named in the error with its value and the value that would have let the
-request through; each test then applies that advice and checks the request is served, so the
+Each setting that can refuse a request when the user set it (a hard limit: ``min_free_bytes``,
+``gpu_memory_fraction``, ``reserve_bytes``) is named in the error with its value and the value
+that would have let the request through; each test then applies that advice and checks the request is served, so the
 advice is not just words. ``max_pool_size`` only caps the cache and never refuses a request.
 
 Level: **real** (the real pool and MemoryManager on gpumem_sim devices).
@@ -38,12 +38,13 @@ def _oom(mm: MemoryManager, nbytes: int) -> OutOfMemoryError:
 
 
 def test_min_free_bytes_is_named_with_its_value_and_the_fix():
-    """The issue's case: malloc(600 MiB, fallback=False) on a fresh sim:1GiB with the default
-    config. The error says min_free_bytes=512 MiB refused it and how to lower it (MemoryConfig,
-    configure, GPUMEM_MIN_FREE_BYTES); the value it suggests serves the request."""
-    err = _oom(_fresh(), 600 * MiB)
+    """malloc(600 MiB, fallback=False) on a fresh sim:1GiB with the user's min_free_bytes=512MiB
+    (a hard limit). The error says min_free_bytes=512 MiB refused it and how to lower it
+    (MemoryConfig, configure, GPUMEM_MIN_FREE_BYTES); the value it suggests serves the request.
+    (The default's soft 512 MiB serves it: tests/manager/test_soft_limits.py.)"""
+    err = _oom(_fresh(min_free_bytes="512MiB"), 600 * MiB)
     msg = str(err)
-    assert "min_free_bytes=512.00 MiB refused it" in msg
+    assert "min_free_bytes=512.00 MiB (your hard limit) refused it" in msg
     assert "GPUMEM_MIN_FREE_BYTES=" in msg and "configure(" in msg
     assert "gpu_memory_fraction" not in msg          # 600 MiB is within usable memory
     suggested = re.search(r'MemoryConfig\(min_free_bytes="(\w+)"\)', msg).group(1)
@@ -57,7 +58,8 @@ def test_gpu_memory_fraction_is_named_with_the_fraction_that_fits():
     value; the fraction it suggests serves the request."""
     err = _oom(_fresh(gpu_memory_fraction=0.5, min_free_bytes=0), 600 * MiB)
     msg = str(err)
-    assert "gpu_memory_fraction=0.5 refused it" in msg and "min_free_bytes" not in msg
+    assert "gpu_memory_fraction=0.5 (your hard limit) refused it" in msg
+    assert "min_free_bytes" not in msg
     need = float(re.search(r"MemoryConfig\(gpu_memory_fraction=([0-9.]+)\)", msg).group(1))
     assert 0.5 < need <= 0.6
     mm = _fresh(gpu_memory_fraction=need, min_free_bytes=0)
@@ -70,7 +72,8 @@ def test_reserve_bytes_is_named_when_it_sets_usable_memory():
     mm = _fresh(reserve_bytes="400MiB", min_free_bytes=0, gpu_memory_fraction=1.0)
     held = mm.malloc(300 * MiB, fallback=False)
     msg = str(_oom(mm, 400 * MiB))
-    assert "reserve_bytes=400.00 MiB refused it" in msg and "300.00 MiB held" in msg
+    assert "reserve_bytes=400.00 MiB (your hard limit) refused it" in msg
+    assert "300.00 MiB held" in msg
     suggested = re.search(r'MemoryConfig\(reserve_bytes="(\w+)"\)', msg).group(1)
     held.free()
     mm = _fresh(reserve_bytes=suggested, min_free_bytes=0, gpu_memory_fraction=1.0)
@@ -80,22 +83,29 @@ def test_reserve_bytes_is_named_when_it_sets_usable_memory():
 
 
 def test_a_full_device_blames_no_setting():
-    """When other processes hold the device, no setting is blamed: the error says how little
-    the device has free and that no gpumem setting refused it."""
-    mm = _fresh(other=900 * MiB, min_free_bytes=0, gpu_memory_fraction=1.0)
-    msg = str(_oom(mm, 200 * MiB))
-    assert "no gpumem setting refused it" in msg
-    assert "refused it:" not in msg
+    """When other processes hold the device, no setting is blamed: the error says the device
+    refused it, how little it has free and that no gpumem setting refused it (hard limits that
+    leave room, or the soft defaults)."""
+    for config in ({"min_free_bytes": 0, "gpu_memory_fraction": 1.0}, {}):
+        mm = _fresh(other=900 * MiB, **config)
+        msg = str(_oom(mm, 200 * MiB))
+        assert "the device refused it: it has only 124.00 MiB free" in msg
+        assert "no gpumem setting refused it" in msg
+        assert "(your hard limit)" not in msg
 
 
 def test_memory_summary_usable_is_what_can_be_allocated():
-    """memory_summary's "usable" on a fresh sim:1GiB is 512 MiB (921.6 MiB of usable memory,
-    but min_free_bytes keeps 512 MiB free): 512 MiB can be allocated, 514 MiB cannot."""
-    mm = _fresh()
+    """memory_summary's "usable" on a fresh sim:1GiB with the user's min_free_bytes=512MiB is
+    512 MiB (a hard margin): 512 MiB can be allocated, 514 MiB cannot. With the defaults (soft)
+    it is the whole card, and all of it can be allocated."""
+    mm = _fresh(min_free_bytes="512MiB")
     assert "usable 512.00 MiB" in mm.memory_summary()
     assert summary_data(mm)["allocatable_bytes"] == 512 * MiB
     _oom(mm, 514 * MiB)
     mm.malloc(512 * MiB, fallback=False).free()
+    mm = _fresh()
+    assert summary_data(mm)["allocatable_bytes"] == 1024 * MiB
+    mm.malloc(1024 * MiB, fallback=False).free()
 
 
 @settings(max_examples=300, deadline=None)
@@ -115,7 +125,7 @@ def test_suggested_values_let_the_request_through(total, fraction, reserved_shar
     config = MemoryConfig(gpu_memory_fraction=fraction, min_free_bytes=min_free,
                           reserve_bytes=0)
     usable = int(total * fraction)
-    causes = refusal_causes(nbytes, config=config, total=total, reserve=0, usable=usable,
+    causes = refusal_causes(nbytes, config=config, total=total, reserve=0, hold=usable,
                             reserved=reserved, free=free)
     for cause in causes:
         m = re.search(r"MemoryConfig\(gpu_memory_fraction=([0-9.]+)\)", cause)

@@ -228,10 +228,10 @@ def test_shared_manager_reconfigured_in_place(sim_device):
     try:
         mm = gpumem.get_manager("sim:0")
         buf = mm.malloc(MiB)
-        mm.config = mm.config.replace(cpu_fallback_enabled=False)
+        mm.config = mm.config.replace(cpu_fallback_enabled=False, gpu_memory_fraction=0.9)
         assert gpumem.get_manager("sim:0") is mm
         assert gpumem.get_manager("sim:0").config.cpu_fallback_enabled is False
-        with pytest.raises(OutOfMemoryError):   # over the limit, within the device:
+        with pytest.raises(OutOfMemoryError):   # over the (now hard) limit, within the device:
             mm.malloc(950 * MiB)                 # host memory served it before
         assert buf.alive
         buf.free()

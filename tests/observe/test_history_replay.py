@@ -99,7 +99,7 @@ def test_recorder_context_and_no_buffer_refs():
 
 
 def test_fallback_events_marked_cpu(tmp_path):
-    mm = _mm("1GiB", cpu_fallback_enabled=True)
+    mm = _mm("1GiB", cpu_fallback_enabled=True, gpu_memory_fraction=0.9)   # a hard cap
     rec = mm.record_history()
     dev = mm.malloc(MiB)
     fb = mm.malloc(950 * MiB)

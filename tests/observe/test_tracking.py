@@ -131,9 +131,9 @@ def test_tracker_does_not_keep_manager_alive():
 
 
 def test_fallback_buffers_tracked_apart():
-    mm = _manager("1GiB", cpu_fallback_enabled=True)
+    mm = _manager("1GiB", cpu_fallback_enabled=True, gpu_memory_fraction=0.9)   # a hard cap
     dev = mm.malloc(MiB, tag="dev")
-    fb = mm.malloc(950 * MiB, tag="spill")      # above usable memory (0.9 GiB): CPU fallback
+    fb = mm.malloc(950 * MiB, tag="spill")      # above the user's 0.9 GiB: CPU fallback
     assert fb.location == "cpu"
     locs = sorted(m.location for m in mm.tracker.live())
     assert locs == ["cpu", "device"]
