@@ -219,17 +219,29 @@ class MemoryConfig:
             raise InvalidInputError(f"high_cache_fraction must be in [0, 1], got {h!r}")
 
     def _resolve_segments(self) -> tuple[str, int]:
-        """``(policy, handle bytes of the tight policy, 0: one page)`` from ``segments`` and
-        the two older settings. An older setting set explicitly names the policy over
-        ``auto`` and ``plain`` (``expandable_segments=True`` over plain: auto); one that
-        contradicts ``tight`` or ``fast`` (or False with a handle size) is an
-        InvalidInputError."""
+        """``(policy, handle bytes of the tight policy, 0: one page)`` from ``segments`` (any
+        case, like GPUMEM_SEGMENTS) and the two older settings. An older setting set
+        explicitly names the policy over ``auto`` (the default); one that contradicts the
+        policy ``segments`` names (``segments="plain"`` with ``expandable_segments=True`` or
+        a handle size, ``tight`` with ``"growth"``, False with a handle size...) is an
+        InvalidInputError naming both."""
         seg, on, handle = self.segments, self.expandable_segments, self.expandable_handle_size
+        if isinstance(seg, str) and seg.strip().lower() != seg:
+            # one rule with GPUMEM_SEGMENTS: a policy name in any case ("Auto" is auto)
+            seg = seg.strip().lower()
+            object.__setattr__(self, "segments", seg)
         if seg not in SEGMENT_POLICIES:
             raise InvalidInputError(f"segments must be one of {', '.join(SEGMENT_POLICIES)}, "
                                     f"got {seg!r}")
         implied = (None if handle is None else
                    "fast" if handle == HANDLE_PER_GROWTH else "tight")
+        if seg == "plain" and (on is True or implied is not None):
+            # plain named explicitly and an older setting that says expandable: neither wins
+            said = ("expandable_segments=True" if on is True
+                    else f"expandable_handle_size={handle!r}")
+            raise InvalidInputError(
+                f"segments='plain' (no virtual memory) contradicts {said} (expandable "
+                f"segments); set only segments (auto, tight, fast or plain)")
         if on is False:
             if seg not in ("auto", "plain") or implied is not None:
                 raise InvalidInputError(
@@ -238,13 +250,11 @@ class MemoryConfig:
                                            if implied else "") + "; set only segments")
             return "plain", 0
         if implied is not None:
-            if seg not in ("auto", "plain", implied):   # a size or True says expandable
+            if seg not in ("auto", implied):   # a size says tight, "growth" fast
                 raise InvalidInputError(
                     f"expandable_handle_size={handle!r} means segments={implied!r}, which "
                     f"contradicts segments={seg!r}; set only segments")
             return implied, (handle if implied == "tight" else 0)
-        if seg == "plain" and on is True:
-            return "auto", 0                # the older setting, set explicitly, says expandable
         return seg, 0
 
     @property

@@ -29,7 +29,7 @@ from gpumem.config import MemoryConfig
 from gpumem.errors import InvalidInputError, OutOfMemoryError
 from gpumem.observe.trace import OP_ALLOC, Phase, TraceData, read_trace
 from gpumem.stats import DeprecatedName, StatsDict, deprecated_names
-from gpumem.units import format_bytes
+from gpumem.units import format_bytes, sized_device
 
 __all__ = ["replay", "ReplayResult", "replay_config", "open_replay_device", "CONFIG_PRESETS"]
 
@@ -74,9 +74,13 @@ def open_replay_device(device: str | Device) -> Device:
 
 
 def _device_label(dev: Device) -> str:
+    """``sim:2GB (2.00 GB = 1.86 GiB)`` for a private sim device (the size as read), else
+    the device string."""
     s = dev.device_string
     if dev.kind is DeviceKind.SIMULATED and getattr(dev, "index", 0) < 0:
-        return f"sim({format_bytes(dev.properties().total_memory)})"
+        total = dev.properties().total_memory
+        label = sized_device(s, total)
+        return label if label != s else f"sim({format_bytes(total)})"
     return s
 
 
