@@ -19,7 +19,8 @@ from gpumem.errors import InvalidInputError, UnknownSettingWarning
 from gpumem.units import GiB, MiB, parse_size
 
 __all__ = ["MemoryConfig", "MAX_BYTES", "SIZE_FIELDS", "OTHER_VARIABLES", "USER_VARIABLES",
-           "INTERNAL_VARIABLES", "HANDLE_PER_GROWTH", "SEGMENT_POLICIES", "parse_handle_size"]
+           "INTERNAL_VARIABLES", "HANDLE_PER_GROWTH", "SEGMENT_POLICIES", "parse_handle_size",
+           "env_settings"]
 
 #: GPUMEM_* variables a user sets, read elsewhere (besides GPUMEM_<FIELD> of MemoryConfig):
 #: from_env does not warn about these, and its warning about an unknown one lists them.
@@ -421,10 +422,36 @@ class MemoryConfig:
             return base.replace(**changes)
         except InvalidInputError as exc:
             # name the variable: the user may never have built a MemoryConfig themselves
-            culprits = [n for n in changes if not _valid_alone(base, n, changes[n])]
+            # the variables invalid on their own; else (a contradiction) all that were set
+            culprits = ([n for n in changes if not _valid_alone(base, n, changes[n])]
+                        or [n for n in changes if "GPUMEM_" + n.upper() in env])
             names = ", ".join(f"GPUMEM_{n.upper()}={env.get('GPUMEM_' + n.upper(), '')!r}"
                               for n in culprits) or "GPUMEM_* variables"
             raise InvalidInputError(f"{names}: {exc}") from None
+
+
+def env_settings(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``{field: "GPUMEM_<FIELD>=value"}`` for each MemoryConfig field the environment sets,
+    a size with the reading taken (``GPUMEM_MIN_FREE_BYTES=1G (1.00 GB = 953.67 MiB)``): what
+    ``gpumem info`` and ``gpumem replay`` show. Values that do not parse are shown as they
+    are (from_env names them)."""
+    from gpumem.units import describe_size
+    env = os.environ if environ is None else environ
+    out: dict[str, str] = {}
+    for f in dataclasses.fields(MemoryConfig):
+        key = "GPUMEM_" + f.name.upper()
+        if key not in env:
+            continue
+        text = f"{key}={env[key]}"
+        if f.name in SIZE_FIELDS or f.name == "shared_budget":
+            try:
+                value = _parse_env_value(f.name, env[key].strip(), None)
+            except InvalidInputError:
+                value = None
+            if isinstance(value, int) and not isinstance(value, bool):
+                text += f" ({describe_size(value)})"
+        out[f.name] = text
+    return out
 
 
 def _warn_unknown_variables(env: Mapping[str, str]) -> None:

@@ -104,13 +104,16 @@ def describe_size(n: int) -> str:
     return f"{binary} = {decimal}" if whole_binary else f"{decimal} = {binary}"
 
 
-#: a device string that carries its own size ("sim:2GB"): the reading is worth showing
-_SIZED_DEVICE = re.compile(r"[a-z]+:\s*[0-9]+(?:\.[0-9]+)?\s*[a-zA-Z]+")
+#: a device string that carries its own size in a unit that is not IEC ("sim:2GB", "sim:2G"):
+#: a user may have meant GiB, so the reading taken is worth showing
+_SIZED_DEVICE = re.compile(r"[a-z]+:\s*[0-9]+(?:\.[0-9]+)?\s*([a-zA-Z]+)")
 
 
 def sized_device(device: str, total: int | None) -> str:
-    """``device``, with the size it was read as when the string names one: ``sim:2GB (2.00 GB
-    = 1.86 GiB)``; any other device string (``cuda:0``) as it is."""
-    if total is None or not isinstance(device, str) or not _SIZED_DEVICE.fullmatch(device):
+    """``device``, with the size it was read as when the string names one in a decimal unit:
+    ``sim:2GB (2.00 GB = 1.86 GiB)``; ``sim:2GiB`` (one reading) and any other device string
+    (``cuda:0``) as they are."""
+    m = _SIZED_DEVICE.fullmatch(device) if isinstance(device, str) else None
+    if total is None or m is None or m.group(1).lower().rstrip("b").endswith("i"):
         return device
     return f"{device} ({describe_size(total)})"

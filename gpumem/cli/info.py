@@ -49,6 +49,10 @@ def cmd_info(args: argparse.Namespace) -> int:
              f"{r['pressure']} ({r['used_ratio']:.0%} of usable in use)")
     say(f"usable = min(total x gpu_memory_fraction {config.gpu_memory_fraction}, total - "
          f"reserve); pressure counts memory already in use on the device")
+    from gpumem.config import env_settings
+    taken = env_settings()
+    if taken:
+        say(f"settings from the environment: {', '.join(taken.values())}")
     from gpumem.cli.groups import group_lines
     lines = group_lines()
     if lines:

@@ -439,6 +439,7 @@ class MemoryManager(ManagerCore):
             num_ooms=self._miss.num_ooms,
             pending_free_bytes=0 if self._closed else self.pending_free_bytes,
             held_bytes=c["held_bytes"],
+            fallback_buffers=0 if self._closed else self._miss.fallback_live,
         )
 
     # --- pressure ----------------------------------------------------------------------------------
