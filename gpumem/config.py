@@ -396,6 +396,28 @@ class MemoryConfig:
         """A copy with the fractions of usable memory where MEDIUM, HIGH, CRITICAL begin."""
         return self.replace(pressure_thresholds=(medium, high, critical))
 
+    # --- from PyTorch -------------------------------------------------------------------------
+    @classmethod
+    def from_torch_conf(cls, conf: str, base: "MemoryConfig | None" = None, *,
+                        warn: bool = True) -> "MemoryConfig":
+        """The settings of a ``PYTORCH_CUDA_ALLOC_CONF`` value (``"expandable_segments:True,
+        max_split_size_mb:128"``) over ``base`` (default ``MemoryConfig()``): each key with a
+        gpumem equivalent becomes its field (``expandable_segments``, ``max_split_size_mb``
+        -> ``max_split_size``, ``max_non_split_rounding_mb`` -> ``oversize_slack``;
+        ``backend:native`` sets nothing). The keys without one are named, with why, in one
+        :class:`gpumem.errors.GpumemWarning` (``warn=False``: silent;
+        :func:`gpumem.planning.from_torch.torch_conf_changes` returns them). A value PyTorch
+        would refuse is an InvalidInputError naming the key."""
+        from gpumem.planning.from_torch import torch_conf_changes   # planning: the parser
+        changes, unmapped = torch_conf_changes(conf)
+        if unmapped and warn:
+            from gpumem.errors import GpumemWarning
+            warnings.warn(
+                "PYTORCH_CUDA_ALLOC_CONF keys without a gpumem equivalent, not applied: "
+                + "; ".join(f"{k} ({why})" for k, why in unmapped.items()),
+                GpumemWarning, stacklevel=2)
+        return (base if base is not None else cls()).replace(**changes)
+
     # --- environment --------------------------------------------------------------------------
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None,

@@ -12,13 +12,17 @@ import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DEMO_TRACE", "write_json", "EXIT_OK", "EXIT_ERROR", "EXIT_USAGE", "EXIT_OOM",
+__all__ = ["DEMO_TRACE", "TORCH_SAMPLE", "write_json", "EXIT_OK", "EXIT_ERROR", "EXIT_USAGE", "EXIT_OOM",
            "EXIT_BAD_FILE", "CliError", "Parser", "say", "json_out", "fmt_bytes", "load_trace",
            "load_torch_snapshot", "progress_for", "replay_cfg", "say_environment"]
 
 #: the small trace shipped with gpumem: step 1 of resnet50_train from data/traces (buffers
 #: live at the start of the step allocated first, everything freed at the end)
 DEMO_TRACE = Path(__file__).resolve().parents[1] / "data" / "resnet50_train_step1.csv.gz"
+
+#: a PyTorch memory snapshot shipped with gpumem ('demo' for import-torch): the demo trace
+#: through gpumem's exporter (ci/make_torch_sample.py says how), to try without torch
+TORCH_SAMPLE = Path(__file__).resolve().parents[1] / "data" / "torch_snapshot_sample.pickle"
 
 EXIT_OK = 0
 EXIT_ERROR = 1
@@ -78,11 +82,12 @@ def load_trace(trace: str) -> Any:
 
 
 def load_torch_snapshot(path: str, **options: Any) -> Any:
-    """``read_torch_snapshot(path, **options)``; a bad file is a CliError with EXIT_BAD_FILE."""
+    """``read_torch_snapshot(path, **options)`` ("demo": the shipped sample); a bad file is a
+    CliError with EXIT_BAD_FILE."""
     from gpumem.errors import InvalidInputError
     from gpumem.observe.torch_snapshot import read_torch_snapshot
     try:
-        return read_torch_snapshot(path, **options)
+        return read_torch_snapshot(TORCH_SAMPLE if path == "demo" else path, **options)
     except InvalidInputError as exc:
         raise CliError(str(exc), EXIT_BAD_FILE) from None
 

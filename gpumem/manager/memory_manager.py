@@ -161,6 +161,7 @@ class MemoryManager(ManagerCore):
         self._set_limits(usable, config.max_pool_size)
         self._slow = threading.RLock()
         self._recorders: list[HistoryRecorder] = []    # running; guarded by _slow
+        self._last_recorder: Any = None                 # weakref to the last one stopped
         self._history_before_recording: int | None = None
         self._tags = None
         self._tags_limit = 4096
@@ -332,6 +333,8 @@ class MemoryManager(ManagerCore):
         with self._slow:
             if recorder in self._recorders:
                 self._recorders.remove(recorder)
+                # export_memory_viz after stop() exports its events (weak: no events kept alive)
+                self._last_recorder = weakref.ref(recorder)
             if not self._recorders and self._history_before_recording is not None:
                 if not self._closed:
                     self.pool.set_history(self._history_before_recording)
