@@ -54,3 +54,15 @@ def test_describe_size_shows_both_readings_binary_first_for_binary_sizes():
     assert describe_size(2 * 10**9) == "2.00 GB = 1.86 GiB"
     assert describe_size(4 * GiB) == "4.00 GiB = 4.29 GB"
     assert describe_size(512) == "512 B"
+
+
+def test_gpumem_info_shows_the_environment_settings_with_the_reading(monkeypatch, capsys):
+    """real: `gpumem info` lists the GPUMEM_* settings it took, a size with both readings
+    (GPUMEM_MIN_FREE_BYTES=1G is 1.00 GB = 953.67 MiB, not 1 GiB)."""
+    from gpumem.cli import main
+    monkeypatch.setenv("GPUMEM_MIN_FREE_BYTES", "1G")
+    monkeypatch.setenv("GPUMEM_MAX_POOL_SIZE", "2GiB")
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "GPUMEM_MIN_FREE_BYTES=1G (1.00 GB = 953.67 MiB)" in out
+    assert "GPUMEM_MAX_POOL_SIZE=2GiB (2.00 GiB = 2.15 GB)" in out
