@@ -66,7 +66,8 @@ def segments_config(name: str) -> tuple[Any, str]:
     where MemoryConfig has that field, else the FALLBACK fields."""
     from gpumem.config import MemoryConfig
     from gpumem.observe.replay import replay_config
-    base = replay_config("default")
+    # no free-memory margin: these figures measure the pool, not what the card keeps free
+    base = replay_config("default").replace(min_free_bytes=0)
     if "segments" in {f.name for f in dataclasses.fields(MemoryConfig)}:
         return base.replace(segments=name), "MemoryConfig.segments"
     return base.replace(**FALLBACK[name]), "fallback fields (no MemoryConfig.segments here)"

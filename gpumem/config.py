@@ -21,7 +21,7 @@ from gpumem.units import GiB, MiB, parse_size
 
 __all__ = ["MemoryConfig", "MAX_BYTES", "SIZE_FIELDS", "OTHER_VARIABLES", "USER_VARIABLES",
            "INTERNAL_VARIABLES", "HANDLE_PER_GROWTH", "SEGMENT_POLICIES", "LIMIT_FIELDS",
-           "parse_handle_size"]
+           "parse_handle_size", "env_settings"]
 
 #: GPUMEM_* variables a user sets, read elsewhere (besides GPUMEM_<FIELD> of MemoryConfig):
 #: from_env does not warn about these, and its warning about an unknown one lists them.
@@ -232,17 +232,29 @@ class MemoryConfig:
             raise InvalidInputError(f"high_cache_fraction must be in [0, 1], got {h!r}")
 
     def _resolve_segments(self) -> tuple[str, int]:
-        """``(policy, handle bytes of the tight policy, 0: one page)`` from ``segments`` and
-        the two older settings. An older setting set explicitly names the policy over
-        ``auto`` and ``plain`` (``expandable_segments=True`` over plain: auto); one that
-        contradicts ``tight`` or ``fast`` (or False with a handle size) is an
-        InvalidInputError."""
+        """``(policy, handle bytes of the tight policy, 0: one page)`` from ``segments`` (any
+        case, like GPUMEM_SEGMENTS) and the two older settings. An older setting set
+        explicitly names the policy over ``auto`` (the default); one that contradicts the
+        policy ``segments`` names (``segments="plain"`` with ``expandable_segments=True`` or
+        a handle size, ``tight`` with ``"growth"``, False with a handle size...) is an
+        InvalidInputError naming both."""
         seg, on, handle = self.segments, self.expandable_segments, self.expandable_handle_size
+        if isinstance(seg, str) and seg.strip().lower() != seg:
+            # one rule with GPUMEM_SEGMENTS: a policy name in any case ("Auto" is auto)
+            seg = seg.strip().lower()
+            object.__setattr__(self, "segments", seg)
         if seg not in SEGMENT_POLICIES:
             raise InvalidInputError(f"segments must be one of {', '.join(SEGMENT_POLICIES)}, "
                                     f"got {seg!r}")
         implied = (None if handle is None else
                    "fast" if handle == HANDLE_PER_GROWTH else "tight")
+        if seg == "plain" and (on is True or implied is not None):
+            # plain named explicitly and an older setting that says expandable: neither wins
+            said = ("expandable_segments=True" if on is True
+                    else f"expandable_handle_size={handle!r}")
+            raise InvalidInputError(
+                f"segments='plain' (no virtual memory) contradicts {said} (expandable "
+                f"segments); set only segments (auto, tight, fast or plain)")
         if on is False:
             if seg not in ("auto", "plain") or implied is not None:
                 raise InvalidInputError(
@@ -251,13 +263,11 @@ class MemoryConfig:
                                            if implied else "") + "; set only segments")
             return "plain", 0
         if implied is not None:
-            if seg not in ("auto", "plain", implied):   # a size or True says expandable
+            if seg not in ("auto", implied):   # a size says tight, "growth" fast
                 raise InvalidInputError(
                     f"expandable_handle_size={handle!r} means segments={implied!r}, which "
                     f"contradicts segments={seg!r}; set only segments")
             return implied, (handle if implied == "tight" else 0)
-        if seg == "plain" and on is True:
-            return "auto", 0                # the older setting, set explicitly, says expandable
         return seg, 0
 
     @property
@@ -463,6 +473,28 @@ class MemoryConfig:
         """A copy with the fractions of usable memory where MEDIUM, HIGH, CRITICAL begin."""
         return self.replace(pressure_thresholds=(medium, high, critical))
 
+    # --- from PyTorch -------------------------------------------------------------------------
+    @classmethod
+    def from_torch_conf(cls, conf: str, base: "MemoryConfig | None" = None, *,
+                        warn: bool = True) -> "MemoryConfig":
+        """The settings of a ``PYTORCH_CUDA_ALLOC_CONF`` value (``"expandable_segments:True,
+        max_split_size_mb:128"``) over ``base`` (default ``MemoryConfig()``): each key with a
+        gpumem equivalent becomes its field (``expandable_segments``, ``max_split_size_mb``
+        -> ``max_split_size``, ``max_non_split_rounding_mb`` -> ``oversize_slack``;
+        ``backend:native`` sets nothing). The keys without one are named, with why, in one
+        :class:`gpumem.errors.GpumemWarning` (``warn=False``: silent;
+        :func:`gpumem.planning.from_torch.torch_conf_changes` returns them). A value PyTorch
+        would refuse is an InvalidInputError naming the key."""
+        from gpumem.planning.from_torch import torch_conf_changes   # planning: the parser
+        changes, unmapped = torch_conf_changes(conf)
+        if unmapped and warn:
+            from gpumem.errors import GpumemWarning
+            warnings.warn(
+                "PYTORCH_CUDA_ALLOC_CONF keys without a gpumem equivalent, not applied: "
+                + "; ".join(f"{k} ({why})" for k, why in unmapped.items()),
+                GpumemWarning, stacklevel=2)
+        return (base if base is not None else cls()).replace(**changes)
+
     # --- environment --------------------------------------------------------------------------
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None,
@@ -489,7 +521,9 @@ class MemoryConfig:
             return base.replace(**changes)
         except InvalidInputError as exc:
             # name the variable: the user may never have built a MemoryConfig themselves
-            culprits = [n for n in changes if not _valid_alone(base, n, changes[n])]
+            # the variables invalid on their own; else (a contradiction) all that were set
+            culprits = ([n for n in changes if not _valid_alone(base, n, changes[n])]
+                        or [n for n in changes if "GPUMEM_" + n.upper() in env])
             names = ", ".join(f"GPUMEM_{n.upper()}={env.get('GPUMEM_' + n.upper(), '')!r}"
                               for n in culprits) or "GPUMEM_* variables"
             raise InvalidInputError(f"{names}: {exc}") from None
@@ -510,6 +544,30 @@ def _init_noting_limits(self: MemoryConfig, *args: Any, **kwargs: Any) -> None:
 
 
 MemoryConfig.__init__ = _init_noting_limits  # type: ignore[method-assign]
+
+
+def env_settings(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``{field: "GPUMEM_<FIELD>=value"}`` for each MemoryConfig field the environment sets,
+    a size with the reading taken (``GPUMEM_MIN_FREE_BYTES=1G (1.00 GB = 953.67 MiB)``): what
+    ``gpumem info`` and ``gpumem replay`` show. Values that do not parse are shown as they
+    are (from_env names them)."""
+    from gpumem.units import describe_size
+    env = os.environ if environ is None else environ
+    out: dict[str, str] = {}
+    for f in dataclasses.fields(MemoryConfig):
+        key = "GPUMEM_" + f.name.upper()
+        if key not in env:
+            continue
+        text = f"{key}={env[key]}"
+        if f.name in SIZE_FIELDS or f.name == "shared_budget":
+            try:
+                value = _parse_env_value(f.name, env[key].strip(), None)
+            except InvalidInputError:
+                value = None
+            if isinstance(value, int) and not isinstance(value, bool):
+                text += f" ({describe_size(value)})"
+        out[f.name] = text
+    return out
 
 
 def _warn_unknown_variables(env: Mapping[str, str]) -> None:

@@ -75,12 +75,12 @@ class OutOfMemoryError(GpuMemoryError, MemoryError):
         self.limit = limit
         self.largest_free_block = largest_free_block
         self.reason = reason
-        from gpumem.units import format_bytes as fb
+        from gpumem.units import format_bytes as fb, sized_device
 
         def opt(v: int | None) -> str:
             return "unknown" if v is None else fb(v)
 
-        msg = (f"out of memory on {device}: requested {fb(requested)}; device free {opt(free)} of "
+        msg = (f"out of memory on {sized_device(device, total)}: requested {fb(requested)}; device free {opt(free)} of "
                f"total {opt(total)}; in use {fb(in_use)}, cached {fb(cached)} "
                f"(largest free block {fb(largest_free_block)}), limit {opt(limit)}")
         if reason:

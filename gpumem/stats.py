@@ -130,6 +130,8 @@ class MemoryStats:
     # pages of expandable segments the driver refused to free, held for a retry: counted in
     # reserved_bytes (the device holds them), neither in use nor cached
     held_bytes: int = 0
+    # live CPU-fallback buffers: counted in active_buffers, not in in_use_bytes
+    fallback_buffers: int = 0
 
     total_allocated_bytes = DeprecatedName("reserved_bytes")
     pooled_bytes = DeprecatedName("cached_bytes")
@@ -159,14 +161,19 @@ class MemoryStats:
 
     def __str__(self) -> str:
         fb = format_bytes
+        # each figure counts one thing: device buffers beside the device bytes they use,
+        # live fallback buffers beside the host bytes they hold
+        device_buffers = self.active_buffers - self.fallback_buffers
+        live_fallback = (f" ({self.fallback_buffers} live, {fb(self.fallback_bytes)})"
+                         if self.fallback_buffers else "")
         return (f"{self.device}: reserved {fb(self.reserved_bytes)} in "
                 f"{self.num_segments} segment(s), in use {fb(self.in_use_bytes)} "
-                f"({self.active_buffers} buffers), cached {fb(self.cached_bytes)}, "
+                f"({device_buffers} device buffer(s)), cached {fb(self.cached_bytes)}, "
                 f"peak in use {fb(self.peak_in_use_bytes)}, peak reserved "
                 f"{fb(self.peak_reserved_bytes)}; hits {self.pool_hits}, misses "
                 f"{self.pool_misses} ({self.hit_rate():.1%}), fragmentation "
-                f"{self.fragmentation_ratio():.1%}, CPU fallbacks {self.cpu_fallbacks}, "
-                f"OOMs {self.num_ooms}"
+                f"{self.fragmentation_ratio():.1%}, CPU fallbacks {self.cpu_fallbacks}"
+                f"{live_fallback}, OOMs {self.num_ooms}"
                 + (f", held after a refused free {fb(self.held_bytes)}" if self.held_bytes
                    else ""))
 

@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(__file__))   # `import invariants` from any t
 
 import gpumem_sim  # noqa: E402
 from gpumem import MemoryConfig, MemoryManager  # noqa: E402
-from invariants import (TEST_SEGMENTS, device_string, libcuda_is_fake,  # noqa: E402
+from invariants import (TEST_SEGMENTS, config_over, device_string, libcuda_is_fake,  # noqa: E402
                         require_backend, selected_backends)
 
 #: A config that uses the whole device and makes out-of-memory visible (with the segment policy
@@ -38,7 +38,7 @@ PERMISSIVE = dict(min_free_bytes=0, gpu_memory_fraction=1.0, cpu_fallback_enable
 
 
 def permissive_config(**changes) -> MemoryConfig:
-    return MemoryConfig(**{**PERMISSIVE, **changes})
+    return MemoryConfig(**config_over(PERMISSIVE, changes))
 
 
 def pytest_configure(config):

@@ -45,7 +45,7 @@ from gpumem import FallbackBuffer, MemoryConfig, MemoryManager
 from gpumem.backends import BACKEND_NAMES, canonical_device, get_backend
 
 __all__ = ["DATA", "CHECKOUT", "require_checkout", "check", "live_ranges", "stats_without",
-           "snapshot_state", "TEST_EXPANDABLE",
+           "snapshot_state", "TEST_EXPANDABLE", "config_over",
            "ALL_BACKENDS", "selected_backends", "require_backend", "device_string",
            "backend_device", "EXACT", "QUIET", "sim_manager", "run_threads"]
 
@@ -140,6 +140,18 @@ QUIET = dict(EXACT, release_before_grow=False, auto_release_at_high=False,
              auto_cleanup_at_critical=False)
 
 
+def config_over(base: dict, changes: dict) -> dict:
+    """``{**base, **changes}``, except that a test naming ``expandable_segments`` or
+    ``expandable_handle_size`` (and not ``segments``) gets the policy those say: the base's
+    ``segments`` (plain in the plain pass) is dropped, since ``segments="plain"`` with an
+    older setting that says expandable is refused."""
+    merged = {**base, **changes}
+    if "segments" not in changes and ({"expandable_segments", "expandable_handle_size"}
+                                      & changes.keys()):
+        merged.pop("segments", None)
+    return merged
+
+
 def sim_manager(capacity: int | str, *, device: Any = None, back_memory: bool = False,
                 seed: int = 0, install: bool = True, base: dict | None = None,
                 **config: Any) -> tuple[Any, MemoryManager]:
@@ -151,7 +163,7 @@ def sim_manager(capacity: int | str, *, device: Any = None, back_memory: bool = 
                                                                  seed=seed)
     if install:
         gpumem_sim.install(dev)
-    cfg = MemoryConfig(**{**(EXACT if base is None else base), **config})
+    cfg = MemoryConfig(**config_over(EXACT if base is None else base, config))
     return dev, MemoryManager("sim:0" if install else dev, cfg)
 
 

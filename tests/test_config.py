@@ -318,7 +318,7 @@ _SIZE_STRINGS = {
     "granularity": ("1KiB", 1024), "small_size": ("512KiB", 512 * 1024),
     "small_segment": ("4MiB", 4 * MiB), "large_segment": ("40MiB", 40 * MiB),
     "large_threshold": ("16MiB", 16 * MiB), "large_round": ("2KiB", 2048),
-    "max_split_size": ("256MiB", 256 * MiB), "large_split_min": ("2M", 2 * MiB),
+    "max_split_size": ("256MiB", 256 * MiB), "large_split_min": ("2M", 2 * 10 ** 6),
     "oversize_slack": ("10MB", 10 ** 7), "max_pool_size": ("4GiB", 4 * GiB),
     "expandable_handle_size": ("20MiB", 20 * MiB),
 }

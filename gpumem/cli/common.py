@@ -12,13 +12,17 @@ import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DEMO_TRACE", "write_json", "EXIT_OK", "EXIT_ERROR", "EXIT_USAGE", "EXIT_OOM",
+__all__ = ["DEMO_TRACE", "TORCH_SAMPLE", "write_json", "EXIT_OK", "EXIT_ERROR", "EXIT_USAGE", "EXIT_OOM",
            "EXIT_BAD_FILE", "CliError", "Parser", "say", "json_out", "fmt_bytes", "load_trace",
-           "load_torch_snapshot", "progress_for", "replay_cfg"]
+           "load_torch_snapshot", "progress_for", "replay_cfg", "say_environment"]
 
 #: the small trace shipped with gpumem: step 1 of resnet50_train from data/traces (buffers
 #: live at the start of the step allocated first, everything freed at the end)
 DEMO_TRACE = Path(__file__).resolve().parents[1] / "data" / "resnet50_train_step1.csv.gz"
+
+#: a PyTorch memory snapshot shipped with gpumem ('demo' for import-torch): the demo trace
+#: through gpumem's exporter (ci/make_torch_sample.py says how), to try without torch
+TORCH_SAMPLE = Path(__file__).resolve().parents[1] / "data" / "torch_snapshot_sample.pickle"
 
 EXIT_OK = 0
 EXIT_ERROR = 1
@@ -78,11 +82,12 @@ def load_trace(trace: str) -> Any:
 
 
 def load_torch_snapshot(path: str, **options: Any) -> Any:
-    """``read_torch_snapshot(path, **options)``; a bad file is a CliError with EXIT_BAD_FILE."""
+    """``read_torch_snapshot(path, **options)`` ("demo": the shipped sample); a bad file is a
+    CliError with EXIT_BAD_FILE."""
     from gpumem.errors import InvalidInputError
     from gpumem.observe.torch_snapshot import read_torch_snapshot
     try:
-        return read_torch_snapshot(path, **options)
+        return read_torch_snapshot(TORCH_SAMPLE if path == "demo" else path, **options)
     except InvalidInputError as exc:
         raise CliError(str(exc), EXIT_BAD_FILE) from None
 
@@ -94,25 +99,40 @@ def progress_for(n_events: int, flag: bool | None) -> bool:
 
 
 def replay_cfg(args: argparse.Namespace) -> Any:
-    """The --config preset; --expandable-segments / --no-expandable-segments override its
-    expandable_segments (on by default where the device has virtual memory) and
-    --expandable-handle-size its expandable_handle_size."""
+    """The --config preset read with the GPUMEM_* variables (as every manager reads them;
+    gpumem.observe.replay.replay_config), then the command line over both: --segments POLICY,
+    --expandable-segments / --no-expandable-segments and --expandable-handle-size. A flag
+    that names the segment policy replaces whatever the environment said about it."""
+    from gpumem.errors import InvalidInputError
+    from gpumem.observe.replay import replay_config
+    policy = getattr(args, "segments", None)
     choice = getattr(args, "expandable_segments", None)
     handle = getattr(args, "expandable_handle_size", None)
-    if choice is None and handle is None:
-        return args.config
-    from gpumem.observe.replay import replay_config
-    changes: dict[str, Any] = {}
-    if choice is not None:
-        changes["expandable_segments"] = bool(choice)
-    if handle is not None:
-        from gpumem.config import parse_handle_size
-        try:
+    try:
+        cfg = replay_config(args.config)
+        if policy is None and choice is None and handle is None:
+            return cfg
+        # the command line names the policy: the environment's segment settings give way
+        changes: dict[str, Any] = {"segments": policy or "auto", "expandable_segments": choice,
+                                   "expandable_handle_size": None}
+        if handle is not None:
+            from gpumem.config import parse_handle_size
             changes["expandable_handle_size"] = parse_handle_size(
                 handle, what="--expandable-handle-size")
-        except ValueError as exc:
-            raise CliError(str(exc), EXIT_USAGE) from None
-    return replay_config(args.config).replace(**changes)
+        return cfg.replace(**changes)
+    except InvalidInputError as exc:
+        raise CliError(str(exc), EXIT_USAGE) from None
+
+
+def say_environment() -> None:
+    """One line naming the GPUMEM_* settings a replay took from the environment and those it
+    overrides (and why), when there are any."""
+    from gpumem.observe.replay import REPLAY_OVERRIDES_WHY, environment_settings
+    taken, ignored = environment_settings()
+    if taken:
+        say(f"settings from the environment: {', '.join(taken)}")
+    if ignored:
+        say(f"ignored: {', '.join(ignored)} ({REPLAY_OVERRIDES_WHY})")
 
 
 def write_json(obj: Any, dest: str) -> None:

@@ -134,7 +134,7 @@ def _demo_manual(dev: Any, *, expandable: bool = True) -> list:
             say("  " + str(mm.stats()).replace("; ", ";\n  "))
             fb.free()
             leaks = mm.check_leaks()
-            say(f"  still live (tracked): {len(leaks)} buffer(s): "
+            say(f"  the fallback buffer freed, still live (tracked): {len(leaks)} device buffer(s): "
                  + ", ".join(f"{m.tag} {fmt_bytes(m.nbytes)}" for m in leaks))
             say("")
             say("  " + format_snapshot(mm.snapshot(), max_segments=6,
@@ -195,7 +195,7 @@ def _demo_replay(args: argparse.Namespace) -> None:
     if res.snapshot is not None:
         from gpumem.observe.snapshot import summarize
         sm = summarize(res.snapshot)
-        say(f"  at the peak: {sm['num_segments']} segments, {sm['allocated_blocks']:,} live blocks, "
+        say(f"  at peak live: {sm['num_segments']} segments, {sm['allocated_blocks']:,} live blocks, "
              f"{sm['free_blocks']} free blocks of {fmt_bytes(sm['cached_bytes'])} (largest "
              f"{fmt_bytes(sm['largest_free_block'])})")
     if args.plot:

@@ -58,6 +58,10 @@ def cmd_info(args: argparse.Namespace) -> int:
     say("  soft: trims the cache and sets the pressure scale, never refuses what the device can "
         "serve; hard (" + (", ".join(hard) if hard else "none set") + "): refuses, named in "
         "the OOM (docs/pressure_and_oom.md)")
+    from gpumem.config import env_settings
+    taken = env_settings()
+    if taken:
+        say(f"settings from the environment: {', '.join(taken.values())}")
     from gpumem.cli.groups import group_lines
     lines = group_lines(live_only=True)           # dead and refused ledgers: one line
     if lines:

@@ -29,7 +29,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     """Add the 'import-torch' command."""
     s = sub.add_parser("import-torch", help="turn a PyTorch memory snapshot "
                        "(torch.cuda.memory._dump_snapshot) into a trace to replay")
-    s.add_argument("snapshot", help="the .pickle written by _dump_snapshot()")
+    s.add_argument("snapshot", help="the .pickle written by _dump_snapshot(), or 'demo' for "
+                                    "the sample shipped with gpumem (no torch needed)")
     s.add_argument("-o", "--output", required=True, metavar="TRACE",
                    help="the trace to write (.csv or .csv.gz)")
     s.add_argument("--cuda-device", type=int, metavar="N",

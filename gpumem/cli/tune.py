@@ -7,6 +7,7 @@ from gpumem.cli.common import EXIT_OK, EXIT_USAGE, CliError, DEMO_TRACE, say, wr
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
+    from gpumem.config import env_settings
     from gpumem.errors import InvalidInputError
     from gpumem.planning.card import Card, card_size
     from gpumem.planning.tune import PRESETS, SEGMENT_POLICIES, gpumem_grid, tune
@@ -29,6 +30,10 @@ def cmd_tune(args: argparse.Namespace) -> int:
                       record_series=bool(args.plot), progress=_progress_flag(args.progress))
     except InvalidInputError as exc:            # a bad trace, card, grid or setting
         raise CliError(str(exc), EXIT_USAGE) from None
+    ignored = env_settings()
+    if ignored and args.allocator != "torch":
+        say(f"tune ignores {', '.join(ignored.values())}: each gpumem row replays the settings "
+            f"its line names (what you would paste), not the environment's")
     say(result.table())
     if args.json:
         write_json(result.as_dict(), args.json)
@@ -40,7 +45,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
 
 def _names(text: str) -> tuple[str, ...]:
-    return tuple(p.strip() for p in text.split(",") if p.strip())
+    """A comma list; names in any case, as MemoryConfig.segments and GPUMEM_SEGMENTS take them."""
+    return tuple(p.strip().lower() for p in text.split(",") if p.strip())
 
 
 def _progress_flag(flag: bool | None) -> bool:
@@ -51,14 +57,19 @@ def _progress_flag(flag: bool | None) -> bool:
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the 'tune' command."""
     from gpumem.planning.card import CARD_KINDS
+    from gpumem.planning.tune import PRESETS, SEGMENT_POLICIES, TORCH_CONFS, gpumem_grid
+    n_gpumem, n_torch = len(gpumem_grid()), len(TORCH_CONFS)   # the grid itself: cannot drift
     s = sub.add_parser(
         "tune", help="which allocator settings fit a recorded workload on a card",
-        description="Replay a trace under a small grid of gpumem configurations and PyTorch "
-                    "allocator settings (a model of PyTorch's caching allocator) on what such "
-                    "a card leaves to each allocator, and recommend one: fits with margin, then "
-                    "least modeled driver time, then least peak reserved. Each row shows its "
-                    "peak reserved memory, whether it fits, its driver calls and the smallest "
-                    "card it fits on.")
+        description=f"Replay a trace under a small grid of gpumem configurations and PyTorch "
+                    f"allocator settings (a model of PyTorch's caching allocator) on what such "
+                    f"a card leaves to each allocator, and recommend one: fits with margin, "
+                    f"then least modeled driver time, then least peak reserved. By default "
+                    f"{n_gpumem + n_torch} candidates: {n_gpumem} gpumem rows ({len(PRESETS)} "
+                    f"presets x {len(SEGMENT_POLICIES)} segment policies) and {n_torch} PyTorch "
+                    f"settings. Each row shows its peak reserved memory, whether it fits, its "
+                    f"driver calls and the smallest card it fits on. The gpumem rows ignore "
+                    f"GPUMEM_* variables: each replays the line it prints.")
     s.add_argument("trace", help="a gpumem trace (t_ns,op,id,size CSV, .gz), a PyTorch memory "
                                  "snapshot pickle (torch.cuda.memory._dump_snapshot), or 'demo'")
     s.add_argument("--card", "--device", dest="device", default="24GiB", metavar="SIZE",
@@ -74,16 +85,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--allocator", choices=("both", "gpumem", "torch"), default="both",
                    help="which allocator's settings to try (default both)")
     s.add_argument("--presets", metavar="LIST",
-                   help="comma-separated gpumem presets to try (default: "
-                        "default,inference,constrained)")
+                   help=f"comma-separated gpumem presets to try (default: {','.join(PRESETS)})")
     s.add_argument("--segments", metavar="LIST",
-                   help="comma-separated segment policies to try with each preset (default: "
-                        "tight,fast,plain)")
+                   help=f"comma-separated segment policies (MemoryConfig.segments) to try with "
+                        f"each preset (default: {','.join(SEGMENT_POLICIES)})")
     s.add_argument("--torch-conf", metavar="CONF", action="append",
                    help="a PYTORCH_CUDA_ALLOC_CONF value to try; repeat for several "
                         "(replaces the built-in torch settings; '' is torch's default)")
     s.add_argument("--jobs", type=int, default=None,
-                   help="processes to use (default: one per CPU)")
+                   help="processes to use (default: one per CPU, at most one per candidate)")
     s.add_argument("--no-min-capacity", action="store_true",
                    help="skip the search for the smallest card of rows that fit (faster)")
     pg = s.add_mutually_exclusive_group()

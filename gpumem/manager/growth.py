@@ -226,9 +226,10 @@ class SegmentGrowth:
                         ask_others: bool = True) -> bool:
         """Whether ``seg_size`` more bytes may come from the device (``reserved`` held now:
         :meth:`device_bytes`, never the pool's count alone; ``free`` on the device): within
-        the hard limits (``hold``, a hard min_free_bytes), no more than the device has free, and (in a shared group) within the group's budget, the
-        others asked to hand back cached memory first (to keep the soft min_free_bytes too)
-        unless ``ask_others`` is False. Without ``ask_others`` (a larger size only worth having
+        the hard limits (``hold``, a hard min_free_bytes), no more than the device has free,
+        and (in a shared group) within the group's budget, the others asked to hand back
+        cached memory first (to keep the soft min_free_bytes too) unless ``ask_others`` is
+        False. Without ``ask_others`` (a larger size only worth having
         if it is free now) the soft limits must hold as well."""
         self._seen_free, self._seen_reserved = free, reserved
         if reserved + seg_size > self.hold:

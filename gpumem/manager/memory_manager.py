@@ -162,6 +162,7 @@ class MemoryManager(ManagerCore):
         usable = usable_bytes(config, total, dev.recommended_reserve(total))
         self._slow = threading.RLock()
         self._recorders: list[HistoryRecorder] = []    # running; guarded by _slow
+        self._last_recorder: Any = None                 # weakref to the last one stopped
         self._history_before_recording: int | None = None
         self._tags = None
         self._tags_limit = 4096
@@ -357,6 +358,8 @@ class MemoryManager(ManagerCore):
         with self._slow:
             if recorder in self._recorders:
                 self._recorders.remove(recorder)
+                # export_memory_viz after stop() exports its events (weak: no events kept alive)
+                self._last_recorder = weakref.ref(recorder)
             if not self._recorders and self._history_before_recording is not None:
                 if not self._closed:
                     self.pool.set_history(self._history_before_recording)
@@ -464,6 +467,7 @@ class MemoryManager(ManagerCore):
             num_ooms=self._miss.num_ooms,
             pending_free_bytes=0 if self._closed else self.pending_free_bytes,
             held_bytes=c["held_bytes"],
+            fallback_buffers=0 if self._closed else self._miss.fallback_live,
         )
 
     # --- pressure ----------------------------------------------------------------------------------

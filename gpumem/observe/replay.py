@@ -15,12 +15,13 @@ Every allocation goes through :meth:`gpumem.MemoryManager.malloc` and every free
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Union
+from typing import Any, Callable, Iterator, Mapping, Union
 
 import numpy as np
 
@@ -29,23 +30,35 @@ from gpumem.config import MemoryConfig
 from gpumem.errors import InvalidInputError, OutOfMemoryError
 from gpumem.observe.trace import OP_ALLOC, Phase, TraceData, read_trace
 from gpumem.stats import DeprecatedName, StatsDict, deprecated_names
-from gpumem.units import format_bytes
+from gpumem.units import format_bytes, sized_device
 
-__all__ = ["replay", "ReplayResult", "replay_config", "open_replay_device", "CONFIG_PRESETS"]
+__all__ = ["replay", "ReplayResult", "replay_config", "open_replay_device", "CONFIG_PRESETS",
+           "REPLAY_OVERRIDES", "environment_settings"]
 
 log = logging.getLogger("gpumem")
 
 ProgressArg = Union[None, bool, Callable[[int, int], Any]]
 
-#: named configurations for the CLI's ``--config``; replays never fall back to the CPU and
-#: keep no free-memory margin (a replay measures the pool, not the machine)
+#: named configurations for the CLI's ``--config``: MemoryConfig's presets
 CONFIG_PRESETS = ("default", "inference", "constrained")
+#: what a replay changes in a configuration it builds (a preset name or None), and why: the
+#: same as ``gpumem tune``'s gpumem rows, so a replay and a tune row of one preset agree
+REPLAY_OVERRIDES: dict[str, Any] = {"cpu_fallback_enabled": False, "track_allocations": False,
+                                    "track_stacks": False}
+REPLAY_OVERRIDES_WHY = ("a replay counts each request the device refuses (an OOM here is a "
+                        "CPU fallback there) and tracks no buffers")
 
 
-def replay_config(name: str | MemoryConfig | None = None) -> MemoryConfig:
-    """The configuration a replay uses: a preset name (``default``, ``inference``,
-    ``constrained``) with ``cpu_fallback_enabled=False``, ``min_free_bytes=0`` and tracking
-    off; a MemoryConfig is returned unchanged."""
+def replay_config(name: str | MemoryConfig | None = None, *,
+                  environ: Mapping[str, str] | None = None) -> MemoryConfig:
+    """The configuration a replay uses. A preset name (``default``, ``inference``,
+    ``constrained``; None: default) is read as every manager reads its settings: the preset,
+    with the ``GPUMEM_*`` variables of ``environ`` (default ``os.environ``) over it
+    (:meth:`MemoryConfig.from_env`, which warns about a misspelt one), then
+    :data:`REPLAY_OVERRIDES` (CPU fallback and tracking off: :data:`REPLAY_OVERRIDES_WHY`).
+    Its free-memory margin and memory fraction stay: ``replay_config("default")`` is
+    ``gpumem tune``'s ``MemoryConfig.default()`` row. A MemoryConfig is returned unchanged
+    (as ``MemoryManager(device, config)`` takes it: no environment)."""
     if isinstance(name, MemoryConfig):
         return name
     if name is None or name == "default":
@@ -57,8 +70,21 @@ def replay_config(name: str | MemoryConfig | None = None) -> MemoryConfig:
     else:
         raise InvalidInputError(f"unknown config {name!r}; choose one of "
                                 f"{', '.join(CONFIG_PRESETS)} or pass a MemoryConfig")
-    return base.replace(cpu_fallback_enabled=False, min_free_bytes=0, track_allocations=False,
-                        track_stacks=False)
+    return MemoryConfig.from_env(environ, base=base).replace(**REPLAY_OVERRIDES)
+
+
+def environment_settings(environ: Mapping[str, str] | None = None) -> tuple[list[str], list[str]]:
+    """``(taken, ignored)``: the ``GPUMEM_<FIELD>=value`` settings of ``environ`` that a
+    replay built from a preset takes (sizes with the reading taken), and those it overrides
+    (:data:`REPLAY_OVERRIDES`; GPUMEM_DEBUG turns tracking on, which a replay keeps off)."""
+    from gpumem.config import env_settings
+    env = os.environ if environ is None else environ
+    taken, ignored = [], []
+    for name, text in env_settings(env).items():
+        (ignored if name in REPLAY_OVERRIDES else taken).append(text)
+    if "GPUMEM_DEBUG" in env:
+        ignored.append(f"GPUMEM_DEBUG={env['GPUMEM_DEBUG']}")
+    return taken, ignored
 
 
 def open_replay_device(device: str | Device) -> Device:
@@ -74,9 +100,13 @@ def open_replay_device(device: str | Device) -> Device:
 
 
 def _device_label(dev: Device) -> str:
+    """``sim:2GB (2.00 GB = 1.86 GiB)`` for a private sim device (the size as read), else
+    the device string."""
     s = dev.device_string
     if dev.kind is DeviceKind.SIMULATED and getattr(dev, "index", 0) < 0:
-        return f"sim({format_bytes(dev.properties().total_memory)})"
+        total = dev.properties().total_memory
+        label = sized_device(s, total)
+        return label if label != s else f"sim({format_bytes(total)})"
     return s
 
 
@@ -110,6 +140,9 @@ class ReplayResult:
     events_per_second: float
     fragmentation_at_peak: float
     cached_at_peak: int = 0
+    #: segments held at the moment of peak live bytes (``segments_peak`` is the most held at
+    #: any moment of the replay, which may come later)
+    segments_at_peak_live: int = 0
     #: driver calls the pool made: segment allocs and frees, and virtual-memory calls
     #: (reserve, create, map, unmap, release, free) of expandable segments
     driver_calls: int = 0
@@ -156,9 +189,10 @@ class ReplayResult:
             f"-> reserved/live {self.reserved_live_ratio:.3f}",
             f"  cache           {self.pool_hits:,} hits, {self.pool_misses:,} misses "
             f"(hit rate {self.hit_rate:.1%})",
-            f"  segments        {self.segments_peak} at peak, {self.segments_created} created, "
+            f"  segments        {self.segments_peak} held at most, {self.segments_at_peak_live} at "
+            f"peak live; {self.segments_created} created, "
             f"{self.segments_released} released; {self.driver_calls:,} driver calls"
-            + (" (expandable segments)" if self.config.get("expandable_segments") else ""),
+            + (f" (segments={self.config['segments']})" if self.config.get("segments") else ""),
             f"  at peak live    {fb(self.cached_at_peak)} cached (free in segments), "
             f"fragmentation {self.fragmentation_at_peak:.1%} (1 - largest free block / cached)",
         ]
@@ -287,8 +321,9 @@ def replay(trace: Any, device: str | Device = "sim:80GiB",
     """Replay ``trace`` (a path, a :class:`~gpumem.observe.trace.TraceData` or a HistoryRecorder)
     through a new :class:`~gpumem.MemoryManager` on ``device`` and measure the pool.
 
-    - ``config``: a MemoryConfig, or a preset name; default :func:`replay_config` ``("default")``
-      (no CPU fallback, no free-memory margin);
+    - ``config``: a MemoryConfig (used as it is), or a preset name read with the
+      ``GPUMEM_*`` variables like every manager (default ``"default"``; see
+      :func:`replay_config`: CPU fallback and tracking off, the free-memory margin kept);
     - ``phase``: replay only that phase (see :meth:`TraceData.select`: buffers live when the
       phase begins are allocated first, those still live at its end are freed);
     - ``progress``: True for a progress bar (tqdm if installed, else stderr), or a callable
@@ -334,7 +369,7 @@ def replay(trace: Any, device: str | Device = "sim:80GiB",
     reserved = peak_reserved = 0
     nseg = peak_seg = 0
     frag_at_peak = 0.0
-    cached_at_peak = 0
+    cached_at_peak = seg_at_peak_live = 0
     snapshot = None
     malloc = mm.malloc
     pop = handles.pop
@@ -381,6 +416,7 @@ def replay(trace: Any, device: str | Device = "sim:80GiB",
                     st = mm.stats()
                     frag_at_peak = st.fragmentation_ratio()
                     cached_at_peak = st.cached_bytes
+                    seg_at_peak_live = st.num_segments
                 if k == snap_index:
                     from gpumem.observe.snapshot import take_snapshot
                     snapshot = take_snapshot(mm)
@@ -427,12 +463,17 @@ def replay(trace: Any, device: str | Device = "sim:80GiB",
         failed_bytes=failed_bytes, skipped_frees=skipped, cpu_fallbacks=stats.cpu_fallbacks,
         duration_s=duration, events_per_second=(n / duration) if duration > 0 else 0.0,
         fragmentation_at_peak=frag_at_peak, cached_at_peak=cached_at_peak,
+        segments_at_peak_live=seg_at_peak_live,
         driver_calls=driver_calls,
         modeled_driver_seconds=modeled1 - modeled0,
         modeled_driver_breakdown={
             c: [k - breakdown0.get(c, (0, 0.0))[0], s - breakdown0.get(c, (0, 0.0))[1]]
             for c, (k, s) in breakdown1.items() if k > breakdown0.get(c, (0, 0.0))[0]},
-        config={"expandable_segments": mm.expandable_segments is not None,"gpu_memory_fraction": cfg.gpu_memory_fraction,
+        config={"expandable_segments": mm.expandable_segments is not None,
+                # the policy in force: plain wherever the device has no virtual memory
+                "segments": cfg.segment_policy if mm.expandable_segments is not None
+                else "plain",
+                "gpu_memory_fraction": cfg.gpu_memory_fraction,
                 "cpu_fallback_enabled": cfg.cpu_fallback_enabled,
                 "min_free_bytes": cfg.min_free_bytes, "max_pool_size": cfg.max_pool_size,
                 "max_split_size": cfg.max_split_size},

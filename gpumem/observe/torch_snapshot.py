@@ -227,8 +227,11 @@ def to_memory_viz(source: Any, history: Any = None) -> dict:
                                     "format 'gpumem-snapshot'")
     elif hasattr(source, "pool") and hasattr(source, "device_string"):
         snap = take_snapshot(source)
-        if history is None:
+        if history is None:     # the one recording, else the last one stopped (still held)
             history = next(iter(getattr(source, "_recorders", ())), None)
+            last = getattr(source, "_last_recorder", None)
+            if history is None and last is not None:
+                history = last()
     else:
         raise InvalidInputError(f"source must be a MemoryManager or a gpumem snapshot dict, "
                                 f"got {type(source).__name__}")
@@ -284,7 +287,8 @@ def export_memory_viz(source: Any, path: str | os.PathLike[str] | BinaryIO, *,
     `source` is a MemoryManager (snapshotted now) or a snapshot dict from
     ``MemoryManager.snapshot()``. Segments and blocks become PyTorch's ``segments`` (freed
     blocks waiting for other streams are ``active_pending_free``); the events of `history` (a
-    HistoryRecorder; by default the one recording on the manager, if any) become its
+    HistoryRecorder; by default the one recording on the manager, else the last one stopped,
+    while the program still holds it) become its
     ``device_traces`` (``alloc``, ``free_requested``, ``free_completed``). gpumem does not record
     stack frames, so ``frames`` are empty. Returns the dict written.
     """

@@ -51,6 +51,7 @@ KROUND_LARGE = 2 << 20        # kRoundLarge
 _ONE_EXABYTE = 1 << 60        # allocate() refuses this much before the allocator sees it
 _ADDR_MASK = (1 << 64) - 1
 _VA_BASE = 0x7F00_0000_0000   # first modeled device address (any nonzero base would do)
+_ROUNDED_CACHE = 1 << 16      # distinct request sizes whose rounding a model remembers
 
 
 def round_size(size: int, conf: TorchAllocatorConf) -> int:
@@ -176,6 +177,7 @@ class TorchAllocatorModel:
         #: driver calls by name (the sim cost model's names: segment_alloc, vm_map, ...)
         self.driver_call_counts: dict[str, int] = {}
         self._costs = _cost_model()
+        self._rounded: dict[int, tuple[int, int]] = {}   # request -> (block, segment) sizes
         #: modeled seconds of those calls (None without ``gpumem_sim.driver_costs``)
         self.modeled_driver_seconds: float | None = None if self._costs is None else 0.0
 
@@ -196,9 +198,14 @@ class TorchAllocatorModel:
             return 0
         if nbytes >= _ONE_EXABYTE:
             raise self._oom(nbytes, nbytes, "torch refuses 1 EB or more before allocating")
-        size = round_size(nbytes, self.conf)
+        rounded = self._rounded.get(nbytes)
+        if rounded is None:             # a pure function of the size: a trace repeats sizes
+            rounded = (round_size(nbytes, self.conf), 0)
+            rounded = (rounded[0], allocation_size(rounded[0]))
+            if len(self._rounded) < _ROUNDED_CACHE:
+                self._rounded[nbytes] = rounded
+        size, alloc_size = rounded
         small = size <= KSMALL_SIZE
-        alloc_size = allocation_size(size)
         block = self._get_free_block(size, stream, small)
         if block is None:
             if self._gc_on:

@@ -138,7 +138,8 @@ def _streams(data: Any) -> list[int] | None:
 
 def replay_torch_model(trace: Any, *, capacity: int | str, conf: str = "",
                        memory_fraction: float | None = None, phase: Any = None,
-                       record_series: bool = False) -> TorchReplayResult:
+                       record_series: bool = False,
+                       stop_on_oom: bool = False) -> TorchReplayResult:
     """Replay ``trace`` (a path, a :class:`~gpumem.observe.trace.TraceData` or a
     HistoryRecorder) through a new :class:`TorchAllocatorModel` of ``capacity`` bytes (an
     int or a size such as ``"24GiB"``) with PYTORCH_CUDA_ALLOC_CONF ``conf``.
@@ -146,6 +147,8 @@ def replay_torch_model(trace: Any, *, capacity: int | str, conf: str = "",
     A request the model refuses (torch's OutOfMemoryError after its release and retry) is
     counted in ``num_ooms`` and its free skipped, as :func:`gpumem.replay` does.
     ``record_series`` keeps live and reserved bytes after every event in ``result.series``.
+    With ``stop_on_oom`` the first refusal raises OutOfMemoryError instead (a caller that
+    only asks "does it fit" need not replay the rest).
     """
     if not isinstance(record_series, bool):
         raise InvalidInputError(f"record_series must be a bool, got {record_series!r}")
@@ -167,6 +170,8 @@ def replay_torch_model(trace: Any, *, capacity: int | str, conf: str = "",
             try:
                 handles[ids[k]] = malloc(s, streams[k] if streams else 0)
             except OutOfMemoryError:
+                if stop_on_oom:
+                    raise
                 num_ooms += 1
                 failed += s
             else:

@@ -246,12 +246,33 @@ def _fits(res: Any) -> bool:
     return res.num_ooms == 0 and getattr(res, "cpu_fallbacks", 0) == 0
 
 
+def _fits_on(cand: Candidate, capacity: int) -> bool:
+    """Whether ``cand`` replays without OOM on ``capacity`` bytes: the replay stops at the
+    first refusal (the rest of it cannot change the answer; the margin and smallest-card
+    checks ask only this, and a failing one used to replay every remaining event)."""
+    from gpumem.errors import OutOfMemoryError
+    if cand.allocator == "torch":
+        from gpumem.planning.torch_replay import replay_torch_model
+        try:
+            return _fits(replay_torch_model(_TRACE, capacity=capacity, conf=cand.conf,
+                                            stop_on_oom=True))
+        except OutOfMemoryError:
+            return False
+    from gpumem.observe.replay import replay
+    from gpumem.planning.card import sim_device
+    try:
+        return _fits(replay(_TRACE, sim_device(capacity), cand.memory_config(),
+                            stop_on_oom=True))
+    except OutOfMemoryError:
+        return False
+
+
 def _smallest_card(cand: Candidate, card: Card, fits_here: bool, floor: int) -> int | None:
     """Smallest card size (bytes, of ``card``'s kind, to 1/128) on which ``cand`` replays
     without OOM; None when even 256 times the card does not do."""
     def fits_on(total: int) -> bool:
         cap = card.resized(total).capacity_for(cand.allocator)
-        return cap > 0 and _fits(_run(cand, cap))
+        return cap > 0 and _fits_on(cand, cap)
     hi = card.total
     if not fits_here:
         for _ in range(8):                      # grow until it fits (up to 256x)
@@ -303,7 +324,7 @@ def _evaluate(cand: Candidate, card: Card, floor: int, headroom: int,
     with _quiet():
         res = _run(cand, capacity)
         fits = _fits(res)
-        margin = fits and capacity > headroom and _fits(_run(cand, capacity - headroom))
+        margin = fits and capacity > headroom and _fits_on(cand, capacity - headroom)
         smallest = _smallest_card(cand, card, fits, floor) if find_min or not fits else None
         limit = None if fits else _limit(cand, capacity, floor)
     return {
@@ -437,8 +458,11 @@ def tune(trace: Any, device: str | int = "24GiB", *, card_kind: str = "cuda",
             by_index[i] = _evaluate(c, *args)
             tick(len(by_index))
     else:
+        # the costliest first (the PyTorch model replays in Python, several times slower
+        # than the pool), so that no long candidate starts last and runs alone
+        order = sorted(range(len(cands)), key=lambda i: cands[i].allocator != "torch")
         with ProcessPoolExecutor(jobs, initializer=_init_worker, initargs=(data,)) as pool:
-            futures = {pool.submit(_evaluate, c, *args): i for i, c in enumerate(cands)}
+            futures = {pool.submit(_evaluate, cands[i], *args): i for i in order}
             for fut in as_completed(futures):
                 by_index[futures[fut]] = fut.result()
                 tick(len(by_index))

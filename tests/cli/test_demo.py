@@ -42,3 +42,28 @@ def test_cli_demo_runs_and_narrates_the_fallback(capsys):
     assert "1 CPU fallback" in out.splitlines()[fallback_line]
     assert out.splitlines()[fallback_line + 1].strip().startswith("-> <gpumem.FallbackBuffer")
     assert "CPU fallbacks 1" in out
+
+
+def test_demo_figures_each_count_one_thing_and_agree_with_the_counters(capsys):
+    """real: the demo's segment and buffer figures are labelled by what they count, and each
+    equals its counter: "N held at most" is the replay's segments_peak, "M at peak live" and
+    "at peak live: M segments" are the segments of the snapshot at peak live (the issue saw
+    "36 at peak" beside "at the peak: 19"); the stats line's device buffers are the tracked
+    live buffers (it used to say "4 buffers", counting the CPU-fallback one, beside "3
+    buffer(s) still live")."""
+    import re
+
+    from gpumem.cli.common import DEMO_TRACE
+    from gpumem.observe.replay import replay, replay_config
+    assert main(["demo"]) == 0
+    out = capsys.readouterr().out
+    held, at_live = map(int, re.search(r"segments\s+(\d+) held at most, (\d+) at peak live",
+                                       out).groups())
+    snap_segments = int(re.search(r"at peak live: (\d+) segments", out).group(1))
+    res = replay(DEMO_TRACE, "sim:80GiB", replay_config("default"), snapshot_at="peak")
+    assert held == res.segments_peak
+    assert at_live == snap_segments == res.segments_at_peak_live == len(res.snapshot["segments"])
+    device_buffers = int(re.search(r"in use [^(]+\((\d+) device buffer\(s\)\)", out).group(1))
+    fallback_live = int(re.search(r"CPU fallbacks 1 \((\d+) live", out).group(1))
+    still_live = int(re.search(r"still live \(tracked\): (\d+) device buffer\(s\)", out).group(1))
+    assert (device_buffers, fallback_live) == (still_live, 1) == (3, 1)

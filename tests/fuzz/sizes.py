@@ -12,9 +12,11 @@ from typing import Iterable
 from gpumem import parse_size
 from gpumem.errors import GpuMemoryError
 
-_UNIT = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-         "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40,
-         "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+# Dask's parse_bytes / RMM convention: bare and SI prefixes decimal, IEC prefixes binary
+_UNIT = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "pb": 10**15,
+         "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "p": 10**15,
+         "ki": 1 << 10, "mi": 1 << 20, "gi": 1 << 30, "ti": 1 << 40, "pi": 1 << 50,
+         "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40, "pib": 1 << 50}
 # the documented grammar: blanks (str.strip's), digits, an optional fraction, an optional unit
 _GRAMMAR = re.compile(r"([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)")
 

@@ -25,7 +25,7 @@ from gpumem.backends import open_device
 from gpumem.errors import DriverError, InvalidInputError
 from gpumem.integrations import torch as gm_torch
 from forked import wait_for_child
-from invariants import EXACT, backend_device, check, real_cuda_driver, selected_backends
+from invariants import EXACT, backend_device, check, config_over, real_cuda_driver, selected_backends
 
 MiB = 1 << 20
 DEV = 0                        # the torch device index the tests bind
@@ -48,7 +48,7 @@ def make_bound(torch_backend, sim_device):
         dev = backend_device(torch_backend, capacity)      # capacity: sim only
         if usable is not None:                             # the fake's capacity is fixed
             config["gpu_memory_fraction"] = usable / open_device(dev).mem_get_info()[1]
-        mm = MemoryManager(dev, MemoryConfig(**{**EXACT, **config}))
+        mm = MemoryManager(dev, MemoryConfig(**config_over(EXACT, config)))
         gm_torch.bind(mm, DEV)
         made.append(mm)
         return mm

@@ -18,7 +18,7 @@ import gpumem_sim
 from gpumem import MemoryConfig, MemoryManager
 from gpumem.errors import OutOfMemoryError
 from gpumem.observe.summary import summary_data
-from invariants import QUIET, check
+from invariants import QUIET, check, config_over
 
 MiB = 1 << 20
 
@@ -26,7 +26,7 @@ MiB = 1 << 20
 def _held_manager():
     """A 1 GiB sim device whose expandable segments hold pages after a refused free."""
     dev = gpumem_sim.SimDevice("1GiB")
-    mm = MemoryManager(dev, MemoryConfig(**{**QUIET, "expandable_segments": True}))
+    mm = MemoryManager(dev, MemoryConfig(**config_over(QUIET, {"expandable_segments": True})))
     assert mm.expandable_segments is not None
     mm.malloc(64 * MiB).free()
     dev.inject(fail_free=True)
@@ -86,7 +86,7 @@ def test_random_walk_with_faults_device_holds_what_reserved_says(expandable, see
     the device's live bytes equal reserved_bytes and every pool invariant holds."""
     rng = random.Random(seed)
     dev = gpumem_sim.SimDevice("512MiB", seed=seed)
-    mm = MemoryManager(dev, MemoryConfig(**{**QUIET, "expandable_segments": expandable}))
+    mm = MemoryManager(dev, MemoryConfig(**config_over(QUIET, {"expandable_segments": expandable})))
     assert (mm.expandable_segments is not None) == expandable
     live = []
     saw_held = False

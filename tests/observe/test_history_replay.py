@@ -214,9 +214,16 @@ def test_replay_bad_arguments(tmp_path):
 
 
 def test_replay_config_presets():
+    """real: a replay's preset is the same config as gpumem tune's row of that preset (issue 41:
+    `replay --config default` dropped the free margin that tune's MemoryConfig.default() row
+    keeps, and gave 8 OOMs where the row gave 11): the preset's own limits, CPU fallback and
+    tracking off."""
+    from gpumem.planning.tune import Candidate
     for name in ("default", "inference", "constrained"):
-        cfg = replay_config(name)
-        assert cfg.cpu_fallback_enabled is False and cfg.min_free_bytes == 0
+        cfg = replay_config(name, environ={})
+        assert cfg == Candidate("gpumem", name).memory_config()
+        assert cfg.cpu_fallback_enabled is False and cfg.track_allocations is False
+    assert replay_config("default", environ={}).min_free_bytes == MemoryConfig().min_free_bytes
     custom = MemoryConfig(max_split_size=64 * MiB)
     assert replay_config(custom) is custom
     res = replay(read_trace(DEMO).head(500), config="constrained")
