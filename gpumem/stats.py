@@ -128,6 +128,10 @@ class MemoryStats:
     # pages of expandable segments the driver refused to free, held for a retry: counted in
     # reserved_bytes (the device holds them), neither in use nor cached
     held_bytes: int = 0
+    # sleep and wake (MemoryManager.sleep): device bytes a sleep gave back and not yet woken
+    # (in no other figure: the device does not hold them), and host bytes of their backups
+    asleep_bytes: int = 0
+    backup_bytes: int = 0
 
     total_allocated_bytes = DeprecatedName("reserved_bytes")
     pooled_bytes = DeprecatedName("cached_bytes")
@@ -166,7 +170,9 @@ class MemoryStats:
                 f"{self.fragmentation_ratio():.1%}, CPU fallbacks {self.cpu_fallbacks}, "
                 f"OOMs {self.num_ooms}"
                 + (f", held after a refused free {fb(self.held_bytes)}" if self.held_bytes
-                   else ""))
+                   else "")
+                + (f", asleep {fb(self.asleep_bytes)} (backups {fb(self.backup_bytes)})"
+                   if self.asleep_bytes or self.backup_bytes else ""))
 
 
 class MemoryStatsDict(StatsDict):

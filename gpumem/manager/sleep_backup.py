@@ -1,0 +1,125 @@
+"""Host copies of a sleeping tag's live buffers (docs/sleep_and_wake.md).
+
+:class:`Backups` copies each live block of a tag pool to host memory before its pages go back
+(page-locked memory on a CUDA device, so the copies run at full speed; plain host memory on
+sim), restores the blocks still live at wake, and frees every copy then. A buffer freed while
+its tag sleeps drops its copy at once (the tag pool's observer, installed only while asleep:
+its hot path pays nothing otherwise).
+
+Thread safety: a Backups belongs to one sleeping tag; ``take`` and ``restore`` run under the
+tag pool's slow-path lock; ``on_free`` (any thread, a Buffer's destructor too) only pops one
+entry of a dict under the GIL and frees its host memory, never raising.
+"""
+from __future__ import annotations
+
+import ctypes
+from typing import TYPE_CHECKING, Any
+
+from gpumem.backends.base import DLPACK_CUDA
+
+if TYPE_CHECKING:
+    from gpumem.backends.base import Device
+    from gpumem.manager.memory_manager import MemoryManager
+
+__all__ = ["Backups"]
+
+
+class _HostCopy:
+    """``nbytes`` of host memory: page-locked on a CUDA device, a bytearray elsewhere."""
+
+    __slots__ = ("nbytes", "_pinned", "view")
+
+    def __init__(self, nbytes: int, pinned: bool) -> None:
+        self.nbytes = nbytes
+        self._pinned = 0
+        if pinned:
+            from gpumem.backends.cuda_host import pinned_alloc
+            self._pinned = pinned_alloc(nbytes)
+            self.view = memoryview((ctypes.c_char * nbytes).from_address(self._pinned)).cast("B")
+        else:
+            self.view = memoryview(bytearray(nbytes))
+
+    def free(self) -> None:
+        self.view.release()
+        if self._pinned:
+            ptr, self._pinned = self._pinned, 0
+            try:
+                from gpumem.backends.cuda_host import pinned_free
+                pinned_free(ptr)
+            except Exception:  # noqa: BLE001 - a free in a destructor path never raises
+                pass
+
+
+class Backups:
+    """The host copies of one sleeping tag (see the module docstring)."""
+
+    def __init__(self) -> None:
+        # buffer id -> (segment handle, offset, host copy)
+        self._copies: dict[int, tuple[int, int, _HostCopy]] = {}
+        self._pool: Any = None
+
+    @classmethod
+    def empty(cls) -> "Backups":
+        return cls()
+
+    @classmethod
+    def take(cls, pool: MemoryManager, device: Device) -> "Backups":
+        """Copy every live block of ``pool`` to host memory (the device is idle). On failure
+        the copies made are freed and the error propagates."""
+        self = cls()
+        pinned = device.dlpack_device_type == DLPACK_CUDA and not device.simulated
+        try:
+            for seg in pool.pool.segments():
+                for b in seg["blocks"]:
+                    if b["state"] != "allocated" or not b["requested"]:
+                        continue
+                    copy = _HostCopy(b["requested"], pinned)
+                    self._copies[b["id"]] = (seg["handle"], b["offset"], copy)
+                    device.copy_to_host(seg["handle"], b["offset"], copy.view, 0)
+        except BaseException:
+            self.drop()
+            raise
+        if self._copies:
+            self._pool = pool
+            pool.add_observer(self)             # a free while asleep drops its copy
+        return self
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for _, _, c in list(self._copies.values()))
+
+    def __len__(self) -> int:
+        return len(self._copies)
+
+    # --- the tag pool's observer while asleep ---------------------------------------------------
+    def on_alloc(self, buf: Any) -> None:
+        pass                                    # never while asleep: requests are refused
+
+    def on_free(self, buf: Any) -> None:
+        entry = self._copies.pop(buf.id, None)
+        if entry is not None:
+            entry[2].free()
+
+    # --- wake ------------------------------------------------------------------------------------
+    def restore(self, pool: MemoryManager, device: Device) -> None:
+        """Copy each saved block back (it is mapped again), then free every host copy."""
+        self._unobserve()
+        try:
+            for handle, offset, copy in list(self._copies.values()):
+                device.copy_from_host(handle, offset, copy.view, 0)
+            if self._copies:
+                device.synchronize()
+        finally:
+            self.drop()
+
+    def drop(self) -> None:
+        """Free every host copy (a sleep that failed, a closed manager, a restore done)."""
+        self._unobserve()
+        copies, self._copies = self._copies, {}
+        for _, _, copy in copies.values():
+            copy.free()
+
+    def _unobserve(self) -> None:
+        pool, self._pool = self._pool, None
+        if pool is not None and not pool.closed and self in pool._observers:
+            pool.remove_observer(self)
