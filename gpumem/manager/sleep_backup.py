@@ -67,7 +67,7 @@ class Backups:
         """Copy every live block of ``pool`` to host memory (the device is idle). On failure
         the copies made are freed and the error propagates."""
         self = cls()
-        pinned = device.dlpack_device_type == DLPACK_CUDA and not device.simulated
+        pinned = device.dlpack_device_type == DLPACK_CUDA      # a CUDA device (not sim)
         try:
             for seg in pool.pool.segments():
                 for b in seg["blocks"]:
