@@ -19,7 +19,6 @@ from gpumem.backends.base import DLPACK_CUDA
 
 if TYPE_CHECKING:
     from gpumem.backends.base import Device
-    from gpumem.manager.memory_manager import MemoryManager
 
 __all__ = ["Backups"]
 
@@ -63,7 +62,7 @@ class Backups:
         return cls()
 
     @classmethod
-    def take(cls, pool: MemoryManager, device: Device) -> "Backups":
+    def take(cls, pool: Any, device: Device) -> "Backups":
         """Copy every live block of ``pool`` to host memory (the device is idle). On failure
         the copies made are freed and the error propagates."""
         self = cls()
@@ -101,7 +100,7 @@ class Backups:
             entry[2].free()
 
     # --- wake ------------------------------------------------------------------------------------
-    def restore(self, pool: MemoryManager, device: Device) -> None:
+    def restore(self, pool: Any, device: Device) -> None:
         """Copy each saved block back (it is mapped again), then free every host copy."""
         self._unobserve()
         try:

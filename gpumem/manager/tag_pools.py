@@ -35,7 +35,7 @@ import contextlib
 import contextvars
 import threading
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from gpumem.errors import (GpuMemoryError, InvalidInputError, OutOfMemoryError,
                            UnsupportedOperationError)
@@ -43,9 +43,6 @@ from gpumem.manager.sleep import SleepableSegments, WakeRefused
 from gpumem.manager.sleep_backup import Backups
 from gpumem.placement import peers
 from gpumem.units import format_bytes
-
-if TYPE_CHECKING:
-    from gpumem.manager.memory_manager import MemoryManager
 
 __all__ = ["TagPools", "BRIDGE_TAGS", "TagState"]
 
@@ -94,14 +91,14 @@ class _FamilyGrowth:
 class TagPools:
     """The sleep tags of one manager and their pools (see the module docstring)."""
 
-    def __init__(self, parent: MemoryManager) -> None:
+    def __init__(self, parent: Any) -> None:
         self._parent = weakref.ref(parent)
         self._device = parent.device
         self._lock = threading.Lock()
         self._region: contextvars.ContextVar[Any] = contextvars.ContextVar(
             f"gpumem_region_{id(self):x}", default=None)
         self._tags: set[Any] = set()                 # declared sleep tags
-        self._pools: dict[Any, MemoryManager] = {}   # tag -> its pool (made on first use)
+        self._pools: dict[Any, Any] = {}   # tag -> its pool (made on first use)
         self._backups: dict[Any, Backups] = {}       # tag -> backups of a sleeping tag
         self._via_python_before: bool | None = None
 
@@ -123,13 +120,13 @@ class TagPools:
         buffers)."""
         return any(p is manager for p in list(self._pools.values()))
 
-    def _parent_mm(self) -> MemoryManager:
+    def _parent_mm(self) -> Any:
         parent = self._parent()
         if parent is None:
             raise GpuMemoryError("the manager of these tag pools is gone")
         return parent
 
-    def _pool_for(self, tag: Any) -> MemoryManager | None:
+    def _pool_for(self, tag: Any) -> Any:
         try:
             if tag not in self._tags:
                 return None
@@ -143,7 +140,7 @@ class TagPools:
                     pool = self._pools[tag] = self._make_pool(tag)
         return pool
 
-    def _make_pool(self, tag: Any) -> MemoryManager:
+    def _make_pool(self, tag: Any) -> Any:
         parent = self._parent_mm()
         cfg = parent.config
         if cfg.segment_policy == "plain":
@@ -168,11 +165,11 @@ class TagPools:
             return False
         return self.reserved_total(parent) + nbytes <= parent.usable_memory
 
-    def reserved_total(self, parent: MemoryManager) -> int:
+    def reserved_total(self, parent: Any) -> int:
         """Bytes the parent's pool and its tag pools hold from the device now."""
         return parent.pool.reserved_bytes + sum(_device_bytes(p) for p in self.pools())
 
-    def pools(self) -> list[MemoryManager]:
+    def pools(self) -> list[Any]:
         return [p for p in list(self._pools.values()) if not p.closed]
 
     def _no_vm_reason(self) -> str:
@@ -228,7 +225,7 @@ class TagPools:
             released += self._sleep_one(tag, pool, tag in copy)
         return released
 
-    def _sleep_one(self, tag: Any, pool: MemoryManager, backup: bool) -> int:
+    def _sleep_one(self, tag: Any, pool: Any, backup: bool) -> int:
         exp: SleepableSegments = pool._growth.expandable
         with pool._slow:
             pool.collect_pending_frees(wait=True)
@@ -261,7 +258,7 @@ class TagPools:
             mapped += self._wake_one(tag, pool)
         return mapped
 
-    def _wake_one(self, tag: Any, pool: MemoryManager) -> int:
+    def _wake_one(self, tag: Any, pool: Any) -> int:
         exp: SleepableSegments = pool._growth.expandable
         growth = pool._growth
         parent = self._parent_mm()
@@ -296,7 +293,7 @@ class TagPools:
             growth.reserved_changed()
         return mapped
 
-    def _wake_oom(self, tag: Any, pool: MemoryManager, exc: WakeRefused) -> OutOfMemoryError:
+    def _wake_oom(self, tag: Any, pool: Any, exc: WakeRefused) -> OutOfMemoryError:
         free, total = self._device.mem_get_info()
         reason = (f"waking tag {tag!r} needs {format_bytes(exc.nbytes)}: {exc.reason}; the tag "
                   f"stays asleep with its backup, a later wake() can succeed")
@@ -378,7 +375,7 @@ class TagPools:
             pool.close()
 
 
-def _device_bytes(pool: MemoryManager) -> int:
+def _device_bytes(pool: Any) -> int:
     """What a tag pool holds from the device now (slept bytes excluded)."""
     exp = pool._growth.expandable
     return pool.pool.reserved_bytes + (exp.held_bytes if exp is not None else 0)
