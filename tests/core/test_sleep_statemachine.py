@@ -93,6 +93,8 @@ class SleepMachine(ExpandablePoolMachine):
         try:
             with self.mm.region(tag):
                 buf = self.mm.malloc(n)
+        except OutOfMemoryError:
+            return                                # an injected fault refused the growth
         except GpuMemoryError as exc:
             assert tag in self.asleep and "asleep" in str(exc)
             return
