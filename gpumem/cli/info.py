@@ -35,6 +35,9 @@ def cmd_info(args: argparse.Namespace) -> int:
                    used_ratio=ratio,
                    pressure=pressure_level(ratio, config.pressure_thresholds).name)
         rows.append(row)
+    sleeping = sleeping_tag_rows()
+    for row in rows:
+        row["sleeping_tags"] = [t for t in sleeping if t["device"] == row["device"]]
     if args.json:
         json_out(rows)
         return EXIT_OK
@@ -49,6 +52,11 @@ def cmd_info(args: argparse.Namespace) -> int:
              f"{r['pressure']} ({r['used_ratio']:.0%} of usable in use)")
     say(f"usable = min(total x gpu_memory_fraction {config.gpu_memory_fraction}, total - "
          f"reserve); pressure counts memory already in use on the device")
+    if sleeping:
+        say("sleeping tags (managers of this process: MemoryManager.sleep):")
+        for t in sleeping:
+            say(f"  {t['device']:<10} {t['tag']!r:<16} asleep {fmt_bytes(t['asleep_bytes']):>11}"
+                f"  backup {fmt_bytes(t['backup_bytes']):>11}")
     from gpumem.cli.groups import group_lines
     lines = group_lines()
     if lines:
@@ -56,6 +64,21 @@ def cmd_info(args: argparse.Namespace) -> int:
         for line in lines:
             say("  " + line)
     return EXIT_OK
+
+def sleeping_tag_rows() -> list[dict[str, Any]]:
+    """The sleeping tags of this process's managers: device, tag (its repr when not a JSON
+    value), asleep and backup bytes."""
+    from gpumem.placement import peers
+    out = []
+    for mm in peers.open_managers():
+        states = getattr(mm, "sleeping_tags", None)
+        for t in (states() if states is not None else []):
+            if t["asleep"]:
+                tag = t["tag"] if isinstance(t["tag"], (str, int, float)) else repr(t["tag"])
+                out.append({"device": mm.device_string, "tag": tag,
+                            "asleep_bytes": t["asleep_bytes"], "backup_bytes": t["backup_bytes"]})
+    return out
+
 
 _SHAPE_FLAGS = ("hidden_size", "intermediate_size", "num_layers", "vocab_size", "num_heads")
 

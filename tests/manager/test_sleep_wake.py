@@ -344,3 +344,26 @@ def test_wake_takes_back_cached_memory_of_peers(sim):
     w.memset(3)
     w.free()
     other.close()
+
+
+def test_gpumem_info_lists_sleeping_tags(sim, capsys):
+    """Real (the CLI in process): `gpumem info` lists the sleeping tags of this process's
+    managers, as text and in its JSON, and none once they woke."""
+    import json
+    from gpumem.cli import main
+    dev, mm = sim
+    with mm.region("weights"):
+        w = mm.malloc(12 * MiB)
+    mm.sleep("weights")
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "sleeping tags" in out and "'weights'" in out
+    assert main(["info", "--json"]) == 0
+    (row,) = [r for r in json.loads(capsys.readouterr().out) if r["device"] == "sim:0"]
+    (tag,) = row["sleeping_tags"]
+    assert tag["tag"] == "weights" and tag["backup_bytes"] == 12 * MiB
+    mm.wake()
+    assert main(["info", "--json"]) == 0
+    (row,) = [r for r in json.loads(capsys.readouterr().out) if r["device"] == "sim:0"]
+    assert row["sleeping_tags"] == []
+    w.free()
