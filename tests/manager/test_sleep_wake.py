@@ -367,3 +367,18 @@ def test_gpumem_info_lists_sleeping_tags(sim, capsys):
     (row,) = [r for r in json.loads(capsys.readouterr().out) if r["device"] == "sim:0"]
     assert row["sleeping_tags"] == []
     w.free()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fail_rate,expandable", [(0.0, False), (0.05, True)],
+                         ids=["plain-parent", "expandable-faults"])
+def test_stress_with_a_sleeper_thread(sim_device, fail_rate, expandable):
+    """Real: the stress harness's threads (allocators, device, maintenance with empty_cache,
+    shrink, snapshots) beside a sleeper that sleeps and wakes a tag over and over (faults
+    injected at page creation and mapping): every pattern survives each wake, counters end
+    exact and the device ends empty."""
+    from stress_harness import run
+    res = run(ops=3000, seconds=8, workers=4, capacity="512MiB", fail_rate=fail_rate,
+              cpu_fallback=True, seed=5, expandable=expandable, sleep=True)
+    assert not res.failures, "\n".join(res.failures[:10])
+    assert res.sleeps > 0
