@@ -228,21 +228,33 @@ class TagPools:
     def _sleep_one(self, tag: Any, pool: Any, backup: bool) -> int:
         exp: SleepableSegments = pool._growth.expandable
         with pool._slow:
-            pool.collect_pending_frees(wait=True)
-            pool.pool.flush_front_caches()
-            self._device.synchronize()          # the bytes backed up are final
-            saved = Backups.take(pool, self._device) if backup else Backups.empty()
+            # refuse the tag's requests first: a cache hit must not hand out a block whose
+            # pages are about to go (every request now reaches the slow path, which refuses)
+            pool._asleep_tag = tag
+            pool._set_slow_path(_AsleepSlowPath(pool._miss, tag))
+            pool._set_limits(0, None)
+            saved = Backups.empty()
             try:
+                pool.collect_pending_frees(wait=True)
+                pool.pool.flush_front_caches()
+                self._device.synchronize()      # the bytes backed up are final
+                if backup:
+                    saved = Backups.take(pool, self._device)
                 released = exp.sleep()
             except BaseException:
                 saved.drop()
+                self._awake(pool)
                 raise
             self._backups[tag] = saved
-            pool._asleep_tag = tag
-            pool._set_slow_path(_AsleepSlowPath(pool._miss, tag))
-            pool._set_limits(0, None)           # every request to its slow path: refused
             pool._growth.reserved_changed()     # pressure, and the ledger: the bytes are free
         return released
+
+    @staticmethod
+    def _awake(pool: Any) -> None:
+        """The tag pool serves requests again."""
+        pool._asleep_tag = None
+        pool._set_slow_path(pool._miss)
+        pool._set_limits(pool.usable_memory, None)
 
     def wake(self, tags: Any = None) -> int:
         """See MemoryManager.wake."""
@@ -287,9 +299,7 @@ class TagPools:
                     growth.shared.sync()        # drop a claim the refusal left
                 raise self._wake_oom(tag, pool, exc) from None
             self._backups.pop(tag, Backups.empty()).restore(pool, self._device)
-            pool._asleep_tag = None
-            pool._set_slow_path(pool._miss)
-            pool._set_limits(pool.usable_memory, None)
+            self._awake(pool)
             growth.reserved_changed()
         return mapped
 
