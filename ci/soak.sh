@@ -32,4 +32,6 @@ run --capacity 1GiB --fail-rate 0.02 --cpu-fallback --seed 9 --handle-size growt
 run --capacity 192MiB --fail-rate 0.01 --seed 10 --handle-size growth
 run --capacity 1GiB --fail-rate 0.02 --cpu-fallback --seed 5 --no-expandable
 run --capacity 192MiB --fail-rate 0.01 --cpu-fallback --seed 6 --no-expandable
+run --capacity 1GiB --fail-rate 0.02 --cpu-fallback --seed 13 --sleep
+run --capacity 192MiB --fail-rate 0.01 --cpu-fallback --seed 14 --sleep --no-expandable
 exit $status

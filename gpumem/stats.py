@@ -132,6 +132,10 @@ class MemoryStats:
     held_bytes: int = 0
     # live CPU-fallback buffers: counted in active_buffers, not in in_use_bytes
     fallback_buffers: int = 0
+    # sleep and wake (MemoryManager.sleep): device bytes a sleep gave back and not yet woken
+    # (in no other figure: the device does not hold them), and host bytes of their backups
+    asleep_bytes: int = 0
+    backup_bytes: int = 0
 
     total_allocated_bytes = DeprecatedName("reserved_bytes")
     pooled_bytes = DeprecatedName("cached_bytes")
@@ -175,7 +179,9 @@ class MemoryStats:
                 f"{self.fragmentation_ratio():.1%}, CPU fallbacks {self.cpu_fallbacks}"
                 f"{live_fallback}, OOMs {self.num_ooms}"
                 + (f", held after a refused free {fb(self.held_bytes)}" if self.held_bytes
-                   else ""))
+                   else "")
+                + (f", asleep {fb(self.asleep_bytes)} (backups {fb(self.backup_bytes)})"
+                   if self.asleep_bytes or self.backup_bytes else ""))
 
 
 class MemoryStatsDict(StatsDict):

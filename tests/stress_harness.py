@@ -11,7 +11,10 @@ Eight threads share one manager:
   overwrites someone's pattern);
 - one device thread that completes the streams' simulated work (so deferred frees resolve);
 - one maintenance thread: ``snapshot()``, ``stats()``, ``empty_cache()``, ``shrink()``,
-  ``collect_pending_frees()`` and ``pool.check_invariants()``.
+  ``collect_pending_frees()`` and ``pool.check_invariants()``;
+- with ``sleep=True`` one more, the *sleeper*: it allocates patterned buffers in a region, puts
+  the tag to sleep (with backup) and wakes it (retrying a wake the injected faults refuse),
+  checks every pattern after each wake and frees some, while the others run.
 
 Afterwards every buffer is freed and checked, and the run verifies: pool invariants, exact
 counters (allocations == frees, nothing in use or pending), and after ``empty_cache()`` the
@@ -44,6 +47,8 @@ class StressResult:
     ooms: int = 0
     driver_errors: int = 0
     fallbacks: int = 0
+    sleeps: int = 0
+    wakes_refused: int = 0
     seconds: float = 0.0
     threads: int = 0
     failures: list[str] = field(default_factory=list)
@@ -53,7 +58,9 @@ class StressResult:
         return (f"{state}: {self.ops} ops ({self.frees_checked} frees pattern-checked) by "
                 f"{self.threads} threads in {self.seconds:.1f} s "
                 f"({self.ops / max(self.seconds, 1e-9):,.0f} ops/s); {self.ooms} OOMs, "
-                f"{self.driver_errors} driver errors, {self.fallbacks} CPU fallbacks")
+                f"{self.driver_errors} driver errors, {self.fallbacks} CPU fallbacks"
+                + (f", {self.sleeps} sleep/wake cycles ({self.wakes_refused} wakes refused)"
+                   if self.sleeps or self.wakes_refused else ""))
 
 
 def _places(nbytes: int) -> list[int]:
@@ -102,12 +109,13 @@ def run(*, ops: int = 20_000, seconds: float | None = None, workers: int = 6,
         capacity: str = "1GiB", max_size: int = 64 * MiB, live_per_worker: int = 12,
         fail_rate: float = 0.0, cpu_fallback: bool = False, seed: int = 0,
         expandable: bool | None = None, handle_size: int | str | None = None,
-        verbose: bool = False) -> StressResult:
+        sleep: bool = False, verbose: bool = False) -> StressResult:
     """One run; ``ops`` is the total across allocator threads (``seconds`` caps it).
     ``expandable``: expandable segments (holes, stitching; ``fail_rate`` then also fails page
     creation and mapping); None: as GPUMEM_TEST_EXPANDABLE_SEGMENTS says. ``handle_size``:
     MemoryConfig.expandable_handle_size (0: one page per physical handle, the tight policy;
-    "growth": the fast one; None: the policy of invariants.TEST_SEGMENTS, auto by default)."""
+    "growth": the fast one; None: the policy of invariants.TEST_SEGMENTS, auto by default).
+    ``sleep``: a sleeper thread too (the module docstring)."""
     if expandable is None:
         from invariants import TEST_EXPANDABLE
         expandable = TEST_EXPANDABLE
@@ -236,11 +244,56 @@ def run(*, ops: int = 20_000, seconds: float | None = None, workers: int = 6,
             except Exception as exc:
                 fail(f"maintenance: {type(exc).__name__}: {exc}")
 
+    sleeper_state: dict[str, Any] = {"mine": [], "asleep": False}
+
+    def sleeper() -> None:
+        rng = random.Random(seed + 13)
+        mine = sleeper_state["mine"]
+        try:
+            while not stop.is_set():
+                if not sleeper_state["asleep"]:
+                    with mm.region("sleeper"):
+                        while len(mine) < 6:
+                            try:
+                                buf = mm.malloc(_size(rng, max_size // 4))
+                            except (OutOfMemoryError, DriverError):
+                                break
+                            _write(buf)
+                            mine.append(buf)
+                    try:
+                        mm.sleep("sleeper", backup=True)
+                    except DriverError:
+                        with lock:
+                            result.driver_errors += 1
+                        continue
+                    sleeper_state["asleep"] = True
+                stop.wait(0.001)
+                try:
+                    mm.wake("sleeper")
+                except (OutOfMemoryError, DriverError):
+                    with lock:
+                        result.wakes_refused += 1
+                    continue
+                sleeper_state["asleep"] = False
+                with lock:
+                    result.sleeps += 1
+                for buf in mine:
+                    err = _check(buf)
+                    if err:
+                        fail(f"after a wake: {err}")
+                for _ in range(rng.randrange(len(mine) + 1)):
+                    free_checked(mine.pop(rng.randrange(len(mine))))
+        except BaseException as exc:      # any other exception is a failure of the run
+            fail(f"sleeper: {type(exc).__name__}: {exc}")
+
     t0 = time.monotonic()
     threads = [threading.Thread(target=allocator, args=(k,), name=f"alloc-{k}")
                for k in range(workers)]
     helpers = [threading.Thread(target=device_work, name="device"),
                threading.Thread(target=maintenance, name="maintenance")]
+    if sleep:
+        helpers.append(threading.Thread(target=sleeper, name="sleeper"))
+        result.threads += 1
     for t in threads + helpers:
         t.start()
     for t in threads:
@@ -251,6 +304,10 @@ def run(*, ops: int = 20_000, seconds: float | None = None, workers: int = 6,
     result.seconds = time.monotonic() - t0
     dev.clear_faults()
     try:
+        if sleeper_state["asleep"]:
+            mm.wake("sleeper")                 # no fault now
+        for buf in sleeper_state["mine"]:
+            free_checked(buf)
         _final_checks(mm, dev, streams, result)
     finally:
         mm.close()
@@ -299,13 +356,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--expandable", action=argparse.BooleanOptionalAction, default=None,
                     help="expandable segments on / off (default: as "
                          "GPUMEM_TEST_EXPANDABLE_SEGMENTS says: on unless it is 0)")
+    ap.add_argument("--sleep", action="store_true",
+                    help="a sleeper thread too: a tag put to sleep and woken over and over")
     ap.add_argument("--handle-size", default=None,
                     help="MemoryConfig.expandable_handle_size, e.g. 6MiB (0: one page, the "
                          "tight policy; 'growth': the fast one; default: the auto policy)")
     args = ap.parse_args(argv)
     res = run(ops=args.ops, seconds=args.seconds, workers=args.workers, capacity=args.capacity,
               fail_rate=args.fail_rate, cpu_fallback=args.cpu_fallback, seed=args.seed,
-              expandable=args.expandable,
+              expandable=args.expandable, sleep=args.sleep,
               handle_size=None if args.handle_size is None
               else parse_handle_size(args.handle_size, what="--handle-size"))
     print(f"capacity={args.capacity} fail_rate={args.fail_rate} "

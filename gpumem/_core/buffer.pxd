@@ -24,6 +24,7 @@ cdef class Buffer:
     cdef object __weakref__
 
     cdef int _raise_dead(self) except -1
+    cdef int _raise_asleep(self) except -1
     cdef object _host_bytes(self, object obj, str what)
 
 

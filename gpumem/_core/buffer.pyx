@@ -20,7 +20,7 @@ import warnings
 
 from gpumem._core.manager_base import NOT_COPYABLE
 from gpumem.backends.base import DeviceKind, DLPACK_CUDA, DLPACK_CPU
-from gpumem.errors import ClosedManagerError, InvalidInputError
+from gpumem.errors import ClosedManagerError, GpuMemoryError, InvalidInputError
 
 
 @cython.freelist(64)           # recycled objects: ~15 ns off every malloc/free pair
@@ -153,7 +153,21 @@ cdef class Buffer:
         buffer is freed, ClosedManagerError if its manager is closed."""
         if self._block == NULL or self._owner._closed:
             self._raise_dead()
+        if self._owner._asleep_tag is not None:
+            self._raise_asleep()
         return self._block.segment.handle, self._block.offset
+
+    @property
+    def asleep_tag(self):
+        """The tag whose sleep took this buffer's memory (``MemoryManager.sleep``), None while
+        its memory is mapped. Its address stays the same; copies, views and DLPack exports
+        raise GpuMemoryError until ``wake``."""
+        return self._owner._asleep_tag if self._owner is not None else None
+
+    cdef int _raise_asleep(self) except -1:
+        raise GpuMemoryError(f"buffer {self.id} is asleep: its tag {self._owner._asleep_tag!r} "
+                             f"was put to sleep (MemoryManager.sleep) and its memory given "
+                             f"back to the device; wake({self._owner._asleep_tag!r}) first")
 
     @property
     def native(self):
@@ -210,6 +224,8 @@ cdef class Buffer:
         ``__cuda_array_interface__`` (cuda) and ``__dlpack__``. While it (or an array made from
         it) lives, ``free()`` raises BufferInUseError. InvalidInputError names the argument that
         does not fit the buffer."""
+        if self._owner._asleep_tag is not None and self._block != NULL:
+            self._raise_asleep()
         return _view_class()._of(self, dtype, shape, strides, offset, readonly)
 
     @property

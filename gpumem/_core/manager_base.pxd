@@ -37,6 +37,11 @@ cdef class ManagerBase:
     cdef uint64_t* _addr_log             # (id, address) pairs of recent allocations, or NULL:
     cdef size_t _addr_mask               # the pool's history has no address column
     cdef size_t _addr_count
+    # Sleep and wake (gpumem/manager/tag_pools.py, sleep.py): the parent's tag pools, read on
+    # the hot path as one pointer test; a tag pool's mark while its memory sleeps
+    cdef public object _tag_pools        # TagPools once a region or sleep tag was declared
+    cdef public int _nregions            # region() blocks open (any thread): one C test
+    cdef public object _asleep_tag       # not None while this (tag) pool's memory sleeps
 
 
     # Buffer's calls into its owner (implemented by ManagerCore; `buf` is a Buffer)

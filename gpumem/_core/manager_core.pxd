@@ -13,4 +13,5 @@ cdef class ManagerCore(ManagerBase):
     # malloc after its argument checks: `n` in [0, 2**62), `s` a stream handle; a Buffer, or
     # (`fallback` True and CPU fallback on) a FallbackBuffer; raises OutOfMemoryError
     cdef object _malloc_c(self, long long n, uint64_t s, object tag, bint fallback=*)
+    cdef object _malloc_pool(self, long long n, uint64_t s, object tag, bint fallback=*)
     cdef Buffer _wrap(self, gm_block* b, size_t n, uint64_t s, object tag)

@@ -93,6 +93,16 @@ cdef class ManagerCore(ManagerBase):
     cdef object _malloc_c(self, long long n, uint64_t s, object tag, bint fallback=True):
         """malloc after argument checks (shared with PlacementCore); `fallback` False: an
         exhausted device raises OutOfMemoryError instead of returning host memory."""
+        # tag pools (sleep and wake): one pointer test unless region()/sleep tags were used
+        if self._tag_pools is not None and (tag is not None or self._nregions):
+            return self._tag_pools.malloc(n, s, tag, fallback)
+        return self._malloc_pool(n, s, tag, fallback)
+
+    def _malloc_untagged_pool(self, long long n, uint64_t s, tag, bint fallback=True):
+        """This manager's own pool, whatever the tag (the tag pools' fall-through)."""
+        return self._malloc_pool(n, s, tag, fallback)
+
+    cdef object _malloc_pool(self, long long n, uint64_t s, object tag, bint fallback=True):
         cdef gm_block* b
         if self._closed:
             raise ClosedManagerError(f"the manager for {self.device_string} is closed")
@@ -134,6 +144,8 @@ cdef class ManagerCore(ManagerBase):
         cdef Buffer buf = <Buffer>obj          # Buffer.free and ManagerCore.free checked it
         cdef int rc
         if buf._owner is not self:
+            if self._tag_pools is not None and self._tag_pools.owns(buf._owner):
+                return buf._owner._release(buf)     # a buffer of one of this manager's tags
             raise ForeignBufferError(f"buffer {buf.id} belongs to {buf._owner.device_string} "
                                      f"manager {id(buf._owner):#x}, not this one")
         if self._closed:

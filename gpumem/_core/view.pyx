@@ -402,6 +402,8 @@ cdef class BufferView:
         taken as kDLCPU). ``copy=True``: BufferError (views are zero-copy; copy in the
         consumer)."""
         cdef Py_ssize_t itemsize = self._info.itemsize
+        if getattr(self.buffer, "asleep_tag", None) is not None:
+            self.buffer.segment_location()      # raises: the memory sleeps (no pages mapped)
         memory = self._memory()
         device = self._device()
         if copy is not None and not isinstance(copy, bool):

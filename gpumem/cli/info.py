@@ -36,9 +36,11 @@ def cmd_info(args: argparse.Namespace) -> int:
                    pressure=pressure_level(ratio, config.pressure_thresholds).name)
         rows.append(row)
     limits = config.limit_kinds()
+    sleeping = sleeping_tag_rows()
     for row in rows:
         if row["available"]:
             row["limits"] = limits
+        row["sleeping_tags"] = [t for t in sleeping if t["device"] == row["device"]]
     if args.json:
         json_out(rows)
         return EXIT_OK
@@ -62,6 +64,11 @@ def cmd_info(args: argparse.Namespace) -> int:
     taken = env_settings()
     if taken:
         say(f"settings from the environment: {', '.join(taken.values())}")
+    if sleeping:
+        say("sleeping tags (managers of this process: MemoryManager.sleep):")
+        for t in sleeping:
+            say(f"  {t['device']:<10} {t['tag']!r:<16} asleep {fmt_bytes(t['asleep_bytes']):>11}"
+                f"  backup {fmt_bytes(t['backup_bytes']):>11}")
     from gpumem.cli.groups import group_lines
     lines = group_lines(live_only=True)           # dead and refused ledgers: one line
     if lines:
@@ -69,6 +76,21 @@ def cmd_info(args: argparse.Namespace) -> int:
         for line in lines:
             say("  " + line)
     return EXIT_OK
+
+def sleeping_tag_rows() -> list[dict[str, Any]]:
+    """The sleeping tags of this process's managers: device, tag (its repr when not a JSON
+    value), asleep and backup bytes."""
+    from gpumem.placement import peers
+    out = []
+    for mm in peers.open_managers():
+        states = getattr(mm, "sleeping_tags", None)
+        for t in (states() if states is not None else []):
+            if t["asleep"]:
+                tag = t["tag"] if isinstance(t["tag"], (str, int, float)) else repr(t["tag"])
+                out.append({"device": mm.device_string, "tag": tag,
+                            "asleep_bytes": t["asleep_bytes"], "backup_bytes": t["backup_bytes"]})
+    return out
+
 
 _SHAPE_FLAGS = ("hidden_size", "intermediate_size", "num_layers", "vocab_size", "num_heads")
 

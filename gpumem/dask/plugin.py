@@ -283,6 +283,8 @@ class GpumemPlugin(WorkerPlugin):
             "in_use_bytes": s.in_use_bytes,
             "cached_bytes": s.cached_bytes,
             "held_bytes": s.held_bytes,
+            "asleep_bytes": s.asleep_bytes,
+            "backup_bytes": s.backup_bytes,
             "peak_reserved_bytes": s.peak_reserved_bytes,
             "peak_in_use_bytes": s.peak_in_use_bytes,
             "num_allocs": s.num_allocs,

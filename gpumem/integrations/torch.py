@@ -24,7 +24,8 @@ if TYPE_CHECKING:
     from gpumem.manager.memory_manager import MemoryManager
 
 __all__ = ["ALLOC_SYMBOL", "FREE_SYMBOL", "TorchAllocatorError", "library_path", "bind",
-           "allocator", "use_gpumem", "counters", "live_blocks"]
+           "allocator", "use_gpumem", "counters", "live_blocks", "manager_for", "region",
+           "sleep", "wake"]
 
 ALLOC_SYMBOL = "gpumem_torch_alloc"
 FREE_SYMBOL = "gpumem_torch_free"
@@ -99,3 +100,34 @@ def counters() -> dict[str, int]:
 def live_blocks(device: int | None = None) -> int:
     """Pointers handed to torch and not freed yet (on ``device``, or on every device)."""
     return _native().live_blocks(device)
+
+
+# --- sleep and wake (docs/sleep_and_wake.md) --------------------------------------------------
+def manager_for(device: int | None = None) -> "MemoryManager":
+    """The manager serving torch's CUDA device ``device`` (None: torch's current device): the
+    one bound to it, else ``gpumem.get_manager(f"cuda:{device}")``."""
+    if device is None:
+        import torch
+        device = torch.cuda.current_device()
+    bound = _native().bound_manager(device)
+    if bound is not None:
+        return bound
+    import gpumem
+    return gpumem.get_manager(f"cuda:{device}")
+
+
+def region(tag: Any, device: int | None = None) -> Any:
+    """``with gm_torch.region("weights"): model = build().cuda()``: tensors torch allocates in
+    this thread inside the block carry ``tag`` and can sleep with it (MemoryManager.region)."""
+    return manager_for(device).region(tag)
+
+
+def sleep(tags: Any, *, backup: Any = True, device: int | None = None) -> int:
+    """MemoryManager.sleep of the manager serving ``device``: the tags' tensors keep their
+    ``data_ptr()``, their memory goes back to the device; the bytes released."""
+    return manager_for(device).sleep(tags, backup=backup)
+
+
+def wake(tags: Any = None, *, device: int | None = None) -> int:
+    """MemoryManager.wake of the manager serving ``device``; the bytes mapped."""
+    return manager_for(device).wake(tags)

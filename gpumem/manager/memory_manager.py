@@ -50,6 +50,7 @@ from gpumem.manager.measure import PeakWindows
 from gpumem.manager import neighbour
 from gpumem.manager.miss_path import MissPath
 from gpumem.manager.pressure import MemoryPressure, PressureCallback, PressureWatch
+from gpumem.manager.sleep_api import SleepAndWake
 from gpumem.manager.stream_book import StreamBook
 from gpumem.placement import peers
 from gpumem.stats import MemoryStats
@@ -115,7 +116,7 @@ def _host_maker(parent: "MemoryManager") -> Callable[[], "MemoryManager"]:
     return make
 
 
-class MemoryManager(ManagerCore):
+class MemoryManager(SleepAndWake, ManagerCore):
     """Allocates device memory through a caching pool.
 
     >>> mm = MemoryManager("sim:0")
@@ -335,7 +336,7 @@ class MemoryManager(ManagerCore):
         observers = list(self._observers)
         observers.remove(observer)
         self._set_observers(observers)
-        self._via_python = self._hooks or self._tags is not None
+        self._via_python = self._hooks or self._tags is not None or self._nregions > 0
 
     # --- per-buffer state for history and tracking (no Python on the hot path) ---------------
     def _start_recording(self, recorder: "HistoryRecorder") -> None:
@@ -376,7 +377,7 @@ class MemoryManager(ManagerCore):
             if mm is not None and want_tags != (mm._tags is not None):
                 mm._tags = {} if want_tags else None
                 # the torch allocator's nogil path cannot tag its buffers: send it through malloc
-                mm._via_python = mm._hooks or want_tags
+                mm._via_python = mm._hooks or want_tags or mm._nregions > 0
         addresses = max((r.max_entries for r in self._recorders), default=0)
         # the newest tags a running recorder may still show survive pruning
         self._tags_keep = addresses
@@ -395,7 +396,8 @@ class MemoryManager(ManagerCore):
         """Return every wholly free cached segment to the driver; the bytes returned."""
         self._check_open()
         self.collect_pending_frees()
-        return self._growth.release_cached(reason="empty_cache")
+        tagged = self._tag_pools.empty_cache() if self._tag_pools is not None else 0
+        return tagged + self._growth.release_cached(reason="empty_cache")
 
     def shrink(self, target_cached_bytes: int | str = 0) -> int:
         """Release wholly free segments until at most target bytes (an int or a size string
@@ -438,6 +440,7 @@ class MemoryManager(ManagerCore):
         expandable = self._growth.expandable
         c["held_bytes"] = expandable.held_bytes if expandable is not None else 0
         c["reserved_bytes"] += c["held_bytes"]
+        asleep, backup = self._tag_pool_counters(c)     # sleep tags' pools (sleep_api.py)
         c["peak_reserved_bytes"] = max(c["peak_reserved_bytes"], c["reserved_bytes"])
         if self._closed:
             for held in ("reserved_bytes", "in_use_bytes", "cached_bytes", "requested_bytes",
@@ -468,6 +471,8 @@ class MemoryManager(ManagerCore):
             pending_free_bytes=0 if self._closed else self.pending_free_bytes,
             held_bytes=c["held_bytes"],
             fallback_buffers=0 if self._closed else self._miss.fallback_live,
+            asleep_bytes=0 if self._closed else asleep,
+            backup_bytes=0 if self._closed else backup,
         )
 
     # --- pressure ----------------------------------------------------------------------------------
@@ -604,6 +609,8 @@ class MemoryManager(ManagerCore):
                                   f"while closing: {exc!r}", RuntimeWarning)
             self._mark_closed()
             neighbour.unwatch(self)
+            if self._tag_pools is not None:
+                self._tag_pools.close()         # they leave a shared group (card) first
             # A device closed first (its context released at interpreter exit) took its
             # memory with it: nothing is left to return.
             if not getattr(self.device, "closed", False):

@@ -102,6 +102,7 @@ def summary_data(manager: SummarySource, *, top_tags: int = 5) -> SummaryData:
         "in_use_bytes": st.in_use_bytes, "peak_in_use_bytes": st.peak_in_use_bytes,
         "requested_bytes": st.requested_bytes, "cached_bytes": st.cached_bytes,
         "pending_free_bytes": st.pending_free_bytes, "held_bytes": st.held_bytes,
+        "asleep_bytes": st.asleep_bytes, "backup_bytes": st.backup_bytes,
         "largest_free_block": st.largest_free_block,
         "fragmentation_ratio": st.fragmentation_ratio(), "active_buffers": st.active_buffers,
         "num_allocs": st.num_allocs, "num_frees": st.num_frees, "pool_hits": st.pool_hits,
@@ -142,6 +143,10 @@ def format_summary(d: dict[str, Any]) -> str:
     if d.get("held_bytes"):
         # counted in reserved: the driver refused to free these pages, retried on each trim
         lines.append(f"{'held (free refused)':<26}{fb(d['held_bytes']):>16}")
+    if d.get("asleep_bytes") or d.get("backup_bytes"):
+        # given back by MemoryManager.sleep: in no figure above; backups are host memory
+        lines.append(f"{'asleep (sleep tags)':<26}{fb(d['asleep_bytes']):>16}   "
+                     f"{fb(d['backup_bytes'])} backed up in host memory")
     lines += [
         f"{'CPU fallbacks':<26}{d['cpu_fallbacks']:>16,d}   {fb(d['fallback_bytes'])} live "
         f"in host memory",

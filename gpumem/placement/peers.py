@@ -90,6 +90,14 @@ def peers_of(manager: Peer) -> list[Peer]:
     return [m for m in live if m is not None and m is not manager and not m.closed]
 
 
+def open_managers() -> list[Peer]:
+    """Every open manager of this process, on any device (``gpumem info`` reads their
+    sleeping tags)."""
+    with _lock:
+        live = [r() for refs in _peers.values() for r in refs]
+    return [m for m in live if m is not None and not m.closed]
+
+
 def release_peer_caches(manager: Peer) -> int:
     """Ask every peer of ``manager`` (:func:`peers_of`) whose slow path is free to release its
     wholly free cached segments; the bytes they gave back to the driver."""
