@@ -31,7 +31,8 @@ FAKE_PLAIN_PASS="the cuda backend on the fake libcuda.so.1, expandable segments 
 if python -c "from gpumem.backends.cuda import BACKEND as b; import sys; \
               sys.exit(0 if 'libcuda' in b.availability()[1] else 1)"; then
     if fake_dir=$(python -c "import sys; sys.path.insert(0, 'tests'); import fake_cuda; \
-                             print(fake_cuda.build('build/fake_cuda').parent)"); then
+                             print(fake_cuda.build('build/fake_cuda').parent.resolve())"); then
+        # absolute: tests start interpreters in other folders (the doc examples, pasted alone)
         fake_path="$fake_dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
         run_pass "$FAKE_PASS" env LD_LIBRARY_PATH="$fake_path" GPUMEM_TEST_BACKENDS=cuda \
             python -m pytest -n auto tests "$@"
