@@ -103,3 +103,16 @@ def test_compiled_modules_are_found_by_name():
     if not names:
         pytest.skip("the Cython modules are not built in place in this checkout")
     assert {"gpumem._core.pool", "gpumem._core.buffer"} <= set(names), names
+
+
+def test_doctest_lines_become_a_code_block():
+    """On the site a docstring's doctest (``>>>`` lines, ``...`` lines, output) is one code
+    block, up to the blank line after it; the prose around it stays prose. Real (the hook)."""
+    root = require_checkout("ci/mkdocs_hooks.py")
+    fence = _load_hooks(root).fence_doctests
+    text = ("Allocates memory.\n\n    >>> mm = f()\n    >>> with g() as b:\n    ...     b.n\n"
+            "    1048576\n\nMore prose.")
+    assert fence(text) == ("Allocates memory.\n\n    ```pycon\n    >>> mm = f()\n"
+                           "    >>> with g() as b:\n    ...     b.n\n    1048576\n    ```\n\n"
+                           "More prose.")
+    assert fence("no examples here") == "no examples here"
