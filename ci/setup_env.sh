@@ -4,6 +4,8 @@
 # `gpumem` command, `import gpumem` and the checkout agree. A failed pip install stops here.
 # Usage: source ci/setup_env.sh "test,pocl,plot,cli"
 # After editing a .pyx: python setup.py -q build_ext --inplace
+# It prints one line per step ("[1/4] creating .venv", ...); on a terminal pip shows its own
+# progress too (elsewhere, as in CI logs, pip runs with -q and the step lines are the progress).
 set -euo pipefail
 EXTRAS="${1:-}"
 PYTHON="${PYTHON:-python3}"
@@ -12,7 +14,16 @@ VENV="${GPUMEM_VENV:-.venv}"
 # GPU machine's image): nothing is downloaded, gpumem is installed into $PYTHON's own
 # environment (GPUMEM_VENV=none) or a venv, with no dependency resolution.
 OFFLINE="${GPUMEM_OFFLINE:-0}"
+WITH_CUDA=0
+[[ ",$EXTRAS," == *",cuda,"* && "$OFFLINE" != 1 ]] && WITH_CUDA=1
+SETUP_STEPS=$((2 + WITH_CUDA + (OFFLINE == 1 ? 0 : 1)))
+SETUP_STEP=0
+setup_step() {  # setup_step WHAT: one line per step, so a long set-up never looks hung
+    SETUP_STEP=$((SETUP_STEP + 1))
+    printf '[%d/%d] %s\n' "$SETUP_STEP" "$SETUP_STEPS" "$1"
+}
 if [ "$VENV" = none ]; then
+    setup_step "using $PYTHON's own environment (GPUMEM_VENV=none)"
     # `python` names $PYTHON from here on (a wrapper, not a link: a venv's interpreter finds its
     # environment from the path it was started by)
     shim="$(mktemp -d)"
@@ -21,28 +32,36 @@ if [ "$VENV" = none ]; then
     export PATH="$shim:$PATH"
 else
     if [ ! -x "$VENV/bin/python" ]; then
+        setup_step "creating $VENV ($PYTHON -m venv)"
         "$PYTHON" -m venv "$VENV"
+    else
+        setup_step "using $VENV"
     fi
     # shellcheck disable=SC1091
     . "$VENV/bin/activate"
 fi
-# pip itself fails loudly (set -o pipefail); only this machine's notes about absent local
-# package folders are dropped
+# pip's exit status is the function's; only this machine's notes about absent local package
+# folders are dropped from its stderr. Its stdout is left alone, so that on a terminal pip draws
+# its progress bars; -q only where stdout is not a terminal (a log).
 pip_install() {
-    local offline=()
-    [ "$OFFLINE" = 1 ] && offline=(--no-index --no-deps)
-    python -m pip install -q "${offline[@]}" "$@" 2>&1 \
-        | { grep -v "^WARNING: Location '.*' is ignored" || true; }
+    local opts=()
+    [ -t 1 ] || opts+=(-q)
+    [ "$OFFLINE" = 1 ] && opts+=(--no-index --no-deps)
+    python -m pip install "${opts[@]}" "$@" \
+        2> >(grep -v "^WARNING: Location '.*' is ignored" >&2 || true)
 }
 # the build runs in this venv (--no-build-isolation below), so its requirements come first
-[ "$OFFLINE" = 1 ] || pip_install --upgrade pip "setuptools>=77" wheel "Cython>=3.0" numpy
+if [ "$OFFLINE" != 1 ]; then
+    setup_step "installing the build requirements (pip, setuptools, wheel, Cython, numpy)"
+    pip_install --upgrade pip "setuptools>=77" wheel "Cython>=3.0" numpy
+fi
 # cuda-bindings must suit the installed NVIDIA driver (13.x needs a CUDA 13 driver), and gpumem's
 # CUDA fast path compiles cuda-python's .pxd files against the CUDA headers found here, which
 # must be of the same release. Pin cuda-bindings to the headers' version when the driver (if
 # any) can run it; else to the driver's major version (the fast path is then skipped and the
 # Python-level cuda.bindings.driver is used).
 CONSTRAINTS=()
-if [[ ",$EXTRAS," == *",cuda,"* && "$OFFLINE" != 1 ]]; then
+if [ "$WITH_CUDA" = 1 ]; then
     CUDA_H="${CUDA_HOME:-${CUDA_PATH:-/usr/local/cuda}}/include/cuda.h"
     hv=""
     [ -f "$CUDA_H" ] && hv=$(sed -n 's/^#define CUDA_VERSION \([0-9]*\).*/\1/p' "$CUDA_H")
@@ -64,8 +83,9 @@ if [[ ",$EXTRAS," == *",cuda,"* && "$OFFLINE" != 1 ]]; then
         echo "cuda-python constrained: $pin (headers: ${hv:-none}, driver CUDA: ${dv:-none})"
     fi
 fi
-if [[ ",$EXTRAS," == *",cuda,"* && "$OFFLINE" != 1 ]]; then
+if [ "$WITH_CUDA" = 1 ]; then
     # before gpumem's build: its CUDA fast path compiles against cuda-python's .pxd files
+    setup_step "installing cuda-python (its .pxd files are needed by gpumem's CUDA fast path)"
     pip_install "${CONSTRAINTS[@]}" "cuda-python>=12"
 fi
 # a venv made before the distribution was renamed holds a second, non-editable copy under the
@@ -73,4 +93,7 @@ fi
 if python -m pip show -q gpumem >/dev/null 2>&1; then
     python -m pip uninstall -y -q gpumem
 fi
+setup_step "installing gpumem-pool from this checkout, editable${EXTRAS:+, with [$EXTRAS]}: \
+compiles the Cython core (1-3 minutes on 2 cores)"
 pip_install "${CONSTRAINTS[@]}" --no-build-isolation -e ".${EXTRAS:+[$EXTRAS]}"
+printf 'set-up done: gpumem is installed in %s\n' "${VIRTUAL_ENV:-the environment of $PYTHON}"

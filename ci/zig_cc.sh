@@ -35,5 +35,5 @@ for arg in "$@"; do
         *) args+=("$arg") ;;
     esac
 done
-# glibc 2.28: RHEL 8, the oldest system the wheels are for (README, Install)
+# glibc 2.28: RHEL 8, the oldest system the wheels are for (docs/install.md)
 exec "$ZIG" "$mode" -target x86_64-linux-gnu.2.28 "${args[@]}"

@@ -477,10 +477,10 @@ def load_presets(path: str | Path = PRESETS_FILE) -> dict[str, ModelShape]:
     return presets
 
 
-#: Named architectures, from :data:`PRESETS_FILE`; ``published_parameters`` are the counts
-#: reported by their authors (Hugging Face checkpoints), reproduced exactly by
-#: :func:`count_parameters`.
 MODEL_PRESETS: dict[str, ModelShape] = load_presets()
+"""Named architectures (name -> :class:`ModelShape`; ``gpumem estimate --list``), from
+:data:`PRESETS_FILE`; ``published_parameters`` are the counts reported by their authors
+(Hugging Face checkpoints), reproduced exactly by :func:`count_parameters`."""
 
 
 def preset(name: str) -> ModelShape:
