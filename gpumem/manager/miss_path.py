@@ -188,6 +188,11 @@ class MissPath:
             elif free is not None and free < nbytes:
                 reason = (f"the device refused it: it has only {format_bytes(free)} free (no "
                           f"gpumem setting refused it; {SOFT_NOTE})")
+            elif shared is not None:
+                reason = "the shared group's budget refused it (the device has room)"
+            elif free is not None:
+                reason = (f"the device refused it: device, cache and callbacks exhausted "
+                          f"({format_bytes(free)} free, not in one piece)")
             else:
                 reason = "the device refused it: device, cache and callbacks exhausted"
             if shared is not None:

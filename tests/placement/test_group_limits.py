@@ -88,3 +88,17 @@ def test_a_group_of_ones_own_gets_no_plugin_advice(shared_dir):
         assert "free buffers in the other members" in info.value.reason
         assert "--gpumem-shared-budget" not in info.value.reason
         held.free()
+
+
+def test_a_budget_refusal_is_not_called_the_devices(shared_dir):
+    """With room on the card but not in the group's budget, the OOM says the budget refused it,
+    not the device (real)."""
+    cfg = shared_config("budget", budget="128MiB")
+    with MemoryManager(CARD, cfg) as other, MemoryManager(CARD, cfg) as mm:
+        held = other.malloc(100 * MiB)
+        with pytest.raises(OutOfMemoryError) as info:
+            mm.malloc(100 * MiB)
+        reason = info.value.reason
+        assert "the shared group's budget refused it (the device has room)" in reason
+        assert "the device refused it" not in reason
+        held.free()
