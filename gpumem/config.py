@@ -34,7 +34,7 @@ USER_VARIABLES = frozenset({
     "GPUMEM_CUDA_NATIVE",       # cuda backend: use the Cython fast path
     "GPUMEM_DUMP_ON_OOM",       # history and snapshot dumps on OOM (gpumem.observe.history)
     "GPUMEM_TEST_DEVICES",      # the pytest plug-in (gpumem.testing)
-    "GPUMEM_BUILD_CUDA",        # setup.py: build the CUDA fast path (README, Install)
+    "GPUMEM_BUILD_CUDA",        # setup.py: build the CUDA fast path (docs/install.md)
 })
 
 #: GPUMEM_* variables of this project's own CI, tests and benchmarks: from_env does not warn
