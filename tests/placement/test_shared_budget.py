@@ -142,11 +142,13 @@ def test_cached_memory_of_a_spinning_process_is_handed_back(shared_dir):
         stop_child(child, stop)
 
 
-def test_sigkilled_member_share_is_free_within_a_second(shared_dir):
+def test_sigkilled_member_share_is_free_at_the_next_growth(shared_dir):
     """A member killed with SIGKILL while it holds 200 MiB (live, not cached) of a 256 MiB card:
-    its share, in the budget and on the card, is free for the others within 1 s (its slot is
-    reaped by pid and start time; the child is still an unreaped zombie when we ask), and its
-    wake-up socket is removed."""
+    once the kernel has ended it (an unreaped zombie still), its share, in the budget and on
+    the card, is free for the first growth that needs it (its slot's liveness lock went with
+    the process), and its wake-up socket is removed. (No wall-clock bound: the kill itself
+    takes as long as the machine's load makes it.)"""
+    from gpumem.placement.ledger import process_start_time
     ctx = spawn()
     ready, stop = ctx.Event(), ctx.Event()
     child = ctx.Process(target=shared_workers.hold_and_spin,
@@ -158,16 +160,11 @@ def test_sigkilled_member_share_is_free_within_a_second(shared_dir):
             with pytest.raises(OutOfMemoryError):
                 mm.malloc(200 * MiB)              # the live 200 MiB are not handed back
             os.kill(child.pid, signal.SIGKILL)
-            start = time.monotonic()
-            while True:
-                try:
-                    buf = mm.malloc(200 * MiB)
-                    break
-                except OutOfMemoryError:
-                    if time.monotonic() - start > 1.0:
-                        raise
-                    time.sleep(0.01)
-            assert time.monotonic() - start < 1.0
+            deadline = time.monotonic() + JOIN
+            while process_start_time(child.pid) is not None:      # until it is a zombie
+                assert time.monotonic() < deadline
+                time.sleep(0.005)
+            buf = mm.malloc(200 * MiB)
             assert [m.pid for m in mm._growth.shared.members()] == [os.getpid()]
             assert not [n for n in os.listdir(shared_dir) if n.startswith(f"w{child.pid}-")]
             buf.free()
