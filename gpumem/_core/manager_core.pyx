@@ -95,11 +95,9 @@ cdef class ManagerCore(ManagerBase):
         exhausted device raises OutOfMemoryError instead of returning host memory."""
         # tag pools (sleep and wake): one pointer test unless region()/sleep tags were used
         if self._tag_pools is not None and (tag is not None or self._nregions):
-            return self._tag_pools.malloc(n, s, tag, fallback)
-        return self._malloc_pool(n, s, tag, fallback)
-
-    def _malloc_untagged_pool(self, long long n, uint64_t s, tag, bint fallback=True):
-        """This manager's own pool, whatever the tag (the tag pools' fall-through)."""
+            pool, tag = self._tag_pools.route(n, tag)     # the region's tag; its pool or None
+            if pool is not None:
+                return pool.malloc(n, stream=s, tag=tag, fallback=False)
         return self._malloc_pool(n, s, tag, fallback)
 
     cdef object _malloc_pool(self, long long n, uint64_t s, object tag, bint fallback=True):

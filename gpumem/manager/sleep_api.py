@@ -17,9 +17,26 @@ from __future__ import annotations
 from contextlib import AbstractContextManager
 from typing import Any, Iterable
 
+from gpumem.errors import GpuMemoryError
 from gpumem.manager.tag_pools import TagPools, TagState
 
 __all__ = ["SleepAndWake"]
+
+
+class _AsleepSlowPath:
+    """A sleeping tag pool's slow path: any request reaching it (its largest request is 0
+    while asleep) is refused, naming the tag; the rest goes to the real slow path."""
+
+    def __init__(self, real: Any, tag: Any) -> None:
+        self._real = real
+        self._tag = tag
+
+    def malloc(self, nbytes: int, stream: int, tag: Any, fallback: bool = True) -> Any:
+        raise GpuMemoryError(f"tag {self._tag!r} is asleep: wake({self._tag!r}) before "
+                             f"allocating with it")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
 
 
 class SleepAndWake:
@@ -75,6 +92,26 @@ class SleepAndWake:
         pools = self._tag_pools
         return [] if pools is None else pools.states()
 
+    # --- a tag pool's side (TagPools calls these on the pools it owns) ------------------------
+    @property
+    def asleep_tag(self) -> Any:
+        """For a tag pool whose memory sleeps: its tag; None otherwise."""
+        return self._asleep_tag                    # type: ignore[attr-defined]
+
+    def hold_requests(self, tag: Any) -> None:
+        """Refuse every request of this manager with GpuMemoryError naming ``tag`` (a tag
+        pool whose memory goes to sleep): its largest request becomes 0, so even a cache hit
+        reaches the slow path, which refuses. Called with the slow-path lock held."""
+        self._asleep_tag = tag
+        self._set_slow_path(_AsleepSlowPath(self._miss, tag))   # type: ignore[attr-defined]
+        self._set_limits(0, None)                  # type: ignore[attr-defined]
+
+    def serve_requests(self) -> None:
+        """Undo :meth:`hold_requests` (the tag pool woke, or its sleep failed)."""
+        self._asleep_tag = None
+        self._set_slow_path(self._miss)            # type: ignore[attr-defined]
+        self._set_limits(self.usable_memory, self.config.max_pool_size)  # type: ignore
+
     # --- what the manager's stats, empty_cache and close add ---------------------------------
     def _tag_pool_counters(self, c: dict) -> tuple[int, int]:
         """Add the awake tag pools' figures to the manager's counters ``c``; ``(asleep_bytes,
@@ -84,8 +121,8 @@ class SleepAndWake:
         if pools is None:
             return 0, 0
         for pool in pools.pools():
-            exp = pool._growth.expandable
-            if pool._asleep_tag is not None:
+            exp = pool.expandable_segments
+            if pool.asleep_tag is not None:
                 held = sum(n for _, n in exp._held)
                 c["reserved_bytes"] += held
                 c["held_bytes"] += held

@@ -54,22 +54,6 @@ class TagState(dict):
     """One tag as ``sleeping_tags()`` and ``gpumem info`` show it (a plain dict)."""
 
 
-class _AsleepSlowPath:
-    """A sleeping tag pool's slow path: any request reaching it (``_max_request`` is 0 while
-    asleep) is refused, naming the tag; the rest goes to the real slow path."""
-
-    def __init__(self, real: Any, tag: Any) -> None:
-        self._real = real
-        self._tag = tag
-
-    def malloc(self, nbytes: int, stream: int, tag: Any, fallback: bool = True) -> Any:
-        raise GpuMemoryError(f"tag {self._tag!r} is asleep: wake({self._tag!r}) before "
-                             f"allocating with it")
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._real, name)
-
-
 class _FamilyGrowth:
     """A tag pool's Growth as its SleepableSegments sees it: the tag pool's own, with a
     segment_allowed that also keeps the parent's pool and all its tag pools within the
@@ -103,17 +87,17 @@ class TagPools:
         self._via_python_before: bool | None = None
 
     # --- the parent's hot path sends tagged requests here ------------------------------------
-    def malloc(self, nbytes: int, stream: int, tag: Any, fallback: bool) -> Any:
-        parent = self._parent_mm()
+    def route(self, nbytes: int, tag: Any) -> tuple[Any, Any]:
+        """``(tag pool or None, tag)`` for a request of the parent: the region's tag replaces
+        none or a bridge's label; None (the parent's own pool) for a tag that is not a sleep
+        tag, or 0 bytes. GpuMemoryError when the tag sleeps."""
         if tag is None or (type(tag) is str and tag in BRIDGE_TAGS):
             tag = self._region.get() or tag
         pool = self._pool_for(tag) if nbytes and tag is not None else None
-        if pool is None:        # not a sleep tag (a label only), or 0 bytes: the parent's pool
-            return parent._malloc_untagged_pool(nbytes, stream, tag, fallback)
-        if pool._asleep_tag is not None:
+        if pool is not None and pool.asleep_tag is not None:
             raise GpuMemoryError(f"tag {tag!r} is asleep: wake({tag!r}) before allocating "
                                  f"with it")
-        return pool.malloc(nbytes, stream=stream, tag=tag, fallback=False)
+        return pool, tag
 
     def owns(self, manager: Any) -> bool:
         """Whether ``manager`` is one of these tag pools (the parent's free() accepts their
@@ -220,19 +204,17 @@ class TagPools:
         released = 0
         for tag in wanted:
             pool = self._pools.get(tag)
-            if pool is None or pool.closed or pool._asleep_tag is not None:
+            if pool is None or pool.closed or pool.asleep_tag is not None:
                 continue
             released += self._sleep_one(tag, pool, tag in copy)
         return released
 
     def _sleep_one(self, tag: Any, pool: Any, backup: bool) -> int:
-        exp: SleepableSegments = pool._growth.expandable
+        exp: SleepableSegments = pool.expandable_segments
         with pool._slow:
             # refuse the tag's requests first: a cache hit must not hand out a block whose
             # pages are about to go (every request now reaches the slow path, which refuses)
-            pool._asleep_tag = tag
-            pool._set_slow_path(_AsleepSlowPath(pool._miss, tag))
-            pool._set_limits(0, None)
+            pool.hold_requests(tag)
             saved = Backups.empty()
             try:
                 pool.collect_pending_frees(wait=True)
@@ -243,35 +225,28 @@ class TagPools:
                 released = exp.sleep()
             except BaseException:
                 saved.drop()
-                self._awake(pool)
+                pool.serve_requests()
                 raise
             self._backups[tag] = saved
             pool._growth.reserved_changed()     # pressure, and the ledger: the bytes are free
         return released
 
-    @staticmethod
-    def _awake(pool: Any) -> None:
-        """The tag pool serves requests again."""
-        pool._asleep_tag = None
-        pool._set_slow_path(pool._miss)
-        pool._set_limits(pool.usable_memory, None)
-
     def wake(self, tags: Any = None) -> int:
         """See MemoryManager.wake."""
         if tags is None:
-            wanted = [t for t, p in list(self._pools.items()) if p._asleep_tag is not None]
+            wanted = [t for t, p in list(self._pools.items()) if p.asleep_tag is not None]
         else:
             wanted = self._tag_list(tags, "tags")
         mapped = 0
         for tag in wanted:
             pool = self._pools.get(tag)
-            if pool is None or pool.closed or pool._asleep_tag is None:
+            if pool is None or pool.closed or pool.asleep_tag is None:
                 continue
             mapped += self._wake_one(tag, pool)
         return mapped
 
     def _wake_one(self, tag: Any, pool: Any) -> int:
-        exp: SleepableSegments = pool._growth.expandable
+        exp: SleepableSegments = pool.expandable_segments
         growth = pool._growth
         parent = self._parent_mm()
 
@@ -299,7 +274,7 @@ class TagPools:
                     growth.shared.sync()        # drop a claim the refusal left
                 raise self._wake_oom(tag, pool, exc) from None
             self._backups.pop(tag, Backups.empty()).restore(pool, self._device)
-            self._awake(pool)
+            pool.serve_requests()
             growth.reserved_changed()
         return mapped
 
@@ -352,7 +327,7 @@ class TagPools:
     # --- figures -----------------------------------------------------------------------------
     def asleep_bytes(self) -> int:
         return sum(p._growth.expandable.asleep_bytes for p in self.pools()
-                   if p._asleep_tag is not None)
+                   if p.asleep_tag is not None)
 
     def backup_bytes(self) -> int:
         return sum(b.nbytes for b in list(self._backups.values()))
@@ -364,9 +339,9 @@ class TagPools:
         for tag, pool in list(self._pools.items()):
             if pool.closed:
                 continue
-            exp = pool._growth.expandable
+            exp = pool.expandable_segments
             backups = self._backups.get(tag)
-            out.append(TagState(tag=tag, asleep=pool._asleep_tag is not None,
+            out.append(TagState(tag=tag, asleep=pool.asleep_tag is not None,
                                 device_bytes=_device_bytes(pool),
                                 in_use_bytes=pool.pool.in_use_bytes,
                                 asleep_bytes=exp.asleep_bytes if exp.sleeping else 0,
@@ -387,5 +362,5 @@ class TagPools:
 
 def _device_bytes(pool: Any) -> int:
     """What a tag pool holds from the device now (slept bytes excluded)."""
-    exp = pool._growth.expandable
+    exp = pool.expandable_segments
     return pool.pool.reserved_bytes + (exp.held_bytes if exp is not None else 0)
