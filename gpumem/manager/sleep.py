@@ -84,14 +84,14 @@ class SleepableSegments(ExpandableSegments):
                     self._call(self._dev.vm_map, seg.address + off, n, h)
                 except DriverError:         # its bytes are lost: the handle goes back
                     seg.take(off)
-                    self._release_handles([(h, n)])
+                    self._out.release_handles([(h, n)])
             raise
         handles = []
         for seg, off, h, n in unmapped:
             seg.maps[off] = (None, n)       # asleep: boundaries and sizes kept for wake
             handles.append((h, n))
         # a handle the driver refuses to free is held (and counted) until a later retry
-        released += self._release_handles(handles)
+        released += self._out.release_handles(handles)
         self.asleep_bytes = sum(n for *_, n in unmapped)
         self.sleeping = True
         self.sleeps += 1
@@ -125,7 +125,7 @@ class SleepableSegments(ExpandableSegments):
                     self._call(self._dev.vm_unmap, address, n)
                 except DriverError:
                     pass                    # its handle is then refused below, and held
-            self._release_handles([(h, n) for _, _, h, n in created])
+            self._out.release_handles([(h, n) for _, _, h, n in created])
             if isinstance(exc, DriverOutOfMemory):
                 raise WakeRefused(need, f"the driver refused it ({exc})") from exc
             raise
@@ -180,6 +180,12 @@ class SleepableSegments(ExpandableSegments):
         """Bytes the device holds beyond the pool's reserved figure: handles it refused to
         free, less the slept bytes (which the pool still counts as reserved)."""
         return super().held_bytes - self.asleep_bytes
+
+    @property
+    def unreleased_bytes(self) -> int:
+        """The handles not given back yet (ExpandableSegments.held_bytes, slept bytes not
+        taken off): what a sleeping tag pool still holds on the device."""
+        return super().held_bytes
 
 
 def _runs(created: list[tuple[_Segment, int, int, int]]

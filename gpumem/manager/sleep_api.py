@@ -123,7 +123,7 @@ class SleepAndWake:
         for pool in pools.pools():
             exp = pool.expandable_segments
             if pool.asleep_tag is not None:
-                held = sum(n for _, n in exp._held)
+                held = exp.unreleased_bytes
                 c["reserved_bytes"] += held
                 c["held_bytes"] += held
                 continue
