@@ -59,6 +59,20 @@ def ledger_file(shared_dir: str) -> str:
     return os.path.join(shared_dir, name)
 
 
+def malloc_once_gone(mm: MemoryManager, nbytes: int):
+    """mm.malloc(nbytes) once a SIGKILLed or exec'd member has let go of its files:
+    retried on out-of-memory while the kernel ends it (its threads close the files after the
+    leader shows as a zombie), for JOIN seconds at most."""
+    deadline = time.monotonic() + JOIN
+    while True:
+        try:
+            return mm.malloc(nbytes)
+        except OutOfMemoryError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
+
+
 def lingering_ledger(group: str) -> str:
     """A ledger file of ``group`` with no member that stays (its last member would remove it:
     a slot taken by another open file keeps it while that member leaves)."""
@@ -145,10 +159,9 @@ def test_cached_memory_of_a_spinning_process_is_handed_back(shared_dir):
 def test_sigkilled_member_share_is_free_at_the_next_growth(shared_dir):
     """A member killed with SIGKILL while it holds 200 MiB (live, not cached) of a 256 MiB card:
     once the kernel has ended it (an unreaped zombie still), its share, in the budget and on
-    the card, is free for the first growth that needs it (its slot's liveness lock went with
-    the process), and its wake-up socket is removed. (No wall-clock bound: the kill itself
-    takes as long as the machine's load makes it.)"""
-    from gpumem.placement.ledger import process_start_time
+    the card, is free for the growths that need it (its slot's liveness lock went with the
+    process), and its wake-up socket is removed. (No wall-clock bound: the kill itself takes
+    as long as the machine's load makes it.)"""
     ctx = spawn()
     ready, stop = ctx.Event(), ctx.Event()
     child = ctx.Process(target=shared_workers.hold_and_spin,
@@ -160,11 +173,7 @@ def test_sigkilled_member_share_is_free_at_the_next_growth(shared_dir):
             with pytest.raises(OutOfMemoryError):
                 mm.malloc(200 * MiB)              # the live 200 MiB are not handed back
             os.kill(child.pid, signal.SIGKILL)
-            deadline = time.monotonic() + JOIN
-            while process_start_time(child.pid) is not None:      # until it is a zombie
-                assert time.monotonic() < deadline
-                time.sleep(0.005)
-            buf = mm.malloc(200 * MiB)
+            buf = malloc_once_gone(mm, 200 * MiB)
             assert [m.pid for m in mm._growth.shared.members()] == [os.getpid()]
             assert not [n for n in os.listdir(shared_dir) if n.startswith(f"w{child.pid}-")]
             buf.free()

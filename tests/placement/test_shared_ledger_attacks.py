@@ -30,8 +30,8 @@ from gpumem.placement.ledger import CARD as CARD_SLOT
 from gpumem.placement.ledger import MEMBER, Ledger, process_start_time
 from gpumem.placement.shared_budget import group_members
 from shared_workers import MiB, shared_config
-from test_shared_budget import (CARD, JOIN, forge_slot, ledger_file, lingering_ledger, spawn,
-                                stop_child)
+from test_shared_budget import (CARD, JOIN, forge_slot, ledger_file, lingering_ledger,
+                                malloc_once_gone, spawn, stop_child)
 
 
 @pytest.fixture
@@ -62,7 +62,7 @@ def test_forked_child_does_not_keep_a_killed_members_lock_or_slot(shared_dir):
         assert member.exitcode == -signal.SIGKILL
         assert process_start_time(child) is not None          # the child lives on
         with MemoryManager(CARD, shared_config("fork")) as mm:  # the lock is free
-            buf = mm.malloc(200 * MiB)            # its slot and card bytes reaped
+            buf = malloc_once_gone(mm, 200 * MiB)   # its slot and card reaped
             assert [m.pid for m in mm._growth.shared.members()] == [os.getpid()]
             buf.free()
     finally:
@@ -100,8 +100,8 @@ def test_forked_child_is_not_a_member_and_the_parent_stays_one(shared_dir):
 
 def test_an_execd_member_is_reaped_like_a_dead_one(shared_dir):
     """A member holding 200 MiB of a 256 MiB card execs another program (same pid, same start
-    time): its share, in the budget and on the card, is free for the first growth that needs
-    it, as a SIGKILLed member's is."""
+    time): its share, in the budget and on the card, is free for the growths that need it, as
+    a SIGKILLed member's is (it never was: the pid and start time still match)."""
     ctx = spawn()
     ready = ctx.Event()
     member = ctx.Process(target=shared_workers.exec_after_join,
@@ -115,7 +115,7 @@ def test_an_execd_member_is_reaped_like_a_dead_one(shared_dir):
             time.sleep(0.01)
         assert process_start_time(member.pid) is not None
         with MemoryManager(CARD, shared_config("exec")) as mm:
-            buf = mm.malloc(200 * MiB)            # the first growth that needs it reaps it
+            buf = malloc_once_gone(mm, 200 * MiB)
             assert [m.pid for m in mm._growth.shared.members()] == [os.getpid()]
             buf.free()
     finally:
