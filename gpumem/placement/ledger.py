@@ -261,9 +261,26 @@ class Ledger:
                 raise SharedLedgerError(f"shared-budget ledger {self.path} is empty")
             os.ftruncate(self._fd, FILE_SIZE)
         self._map = mmap.mmap(self._fd, FILE_SIZE)
-        if size == 0:
+        if size == 0 or (self._create and self._older_and_unused()):
+            self._map[:] = bytes(FILE_SIZE)
             _HEADER.pack_into(self._map, 0, MAGIC, VERSION, SLOT_COUNT, SLOT_SIZE, 0, 0)
         self._check_header()
+
+    def _older_and_unused(self) -> bool:
+        """A ledger an older gpumem wrote (version 1: the same slots without the acknowledged
+        sequence, members proven alive by pid and start time) none of whose members runs: laid
+        out again, as a new one, rather than refused (an upgrade would otherwise lock a user out
+        of a group until ``gpumem groups --prune``). One with a live member is refused."""
+        assert self._map is not None
+        magic, version, count, size, _, _ = _HEADER.unpack_from(self._map, 0)
+        if magic != MAGIC or version != 1 or count != SLOT_COUNT or size != SLOT_SIZE:
+            return False
+        for index in range(SLOT_COUNT):
+            kind, _, pid, start = struct.unpack_from("<IIqQ", self._map,
+                                                     HEADER_SIZE + index * SLOT_SIZE)
+            if kind != FREE and process_alive(pid, start):
+                return False
+        return True
 
     def _names_this_file(self) -> bool:
         """Whether the path still names the open file (the last user may have removed it)."""

@@ -518,6 +518,10 @@ def test_a_failing_release_is_answered_and_the_watcher_lives_on(shared_dir):
         a.device.inject(fail_free=True)
         with pytest.raises(OutOfMemoryError):
             b.malloc(100 * MiB)
+        # the answer may come after b gave up waiting on a loaded machine: it must come
+        deadline = time.monotonic() + 30
+        while a._growth.shared.requests_answered < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert a._growth.shared.requests_answered >= 1
         a.device.clear_faults()
         b.malloc(100 * MiB).free()                # the same watcher hands it back now
@@ -531,6 +535,35 @@ def test_ledger_of_another_version_is_refused(shared_dir):
             f.seek(8)
             f.write(struct.pack("<I", 99))
     assert "version 99" in str(corrupt_and_join(shared_dir, corrupt))
+
+
+def _as_version_1(path: str, pid: int, start: int) -> None:
+    """Rewrite ``path`` as gpumem's version-1 layout would leave it: version 1 in the header
+    and one member slot naming (pid, start)."""
+    from gpumem.placement.ledger import HEADER_SIZE
+    with open(path, "r+b") as f:
+        f.seek(8)
+        f.write(struct.pack("<I", 1))
+        f.seek(HEADER_SIZE)
+        f.write(struct.pack("<IIqQ", MEMBER, 0, pid, start))
+
+
+def test_an_older_ledger_no_process_uses_is_laid_out_again(shared_dir):
+    """Level real: a version-1 ledger (an older gpumem's) whose members are all gone is laid
+    out anew when a manager joins, so an upgrade does not lock the user out of the group; one
+    whose member still runs (this process, its start time) is refused, naming both versions."""
+    path = lingering_ledger("bad")
+    dead = multiprocessing.get_context("spawn").Process(target=int)
+    dead.start()
+    dead.join()
+    _as_version_1(path, dead.pid, 1)
+    with MemoryManager(CARD, shared_config("bad")) as mm:
+        assert mm._growth.shared.path == path
+        mm.malloc(1 * MiB).free()
+    path = lingering_ledger("bad")
+    _as_version_1(path, os.getpid(), ledger_mod.process_start_time(os.getpid()))
+    with pytest.raises(SharedLedgerError, match="version 1"):
+        MemoryManager(CARD, shared_config("bad"))
 
 
 def test_symlinked_ledger_is_refused(shared_dir):
