@@ -55,17 +55,25 @@ def watch(manager: Any) -> None:
 
 
 def unwatch(manager: Any) -> None:
-    """Stop looking after ``manager`` (close()); the thread ends once none is left."""
-    with _lock:
+    """Stop looking after ``manager`` (close()); the thread ends once none is left. Never
+    blocks: close() runs from ``__del__`` too, and the cyclic GC can finalize a manager in a
+    thread that holds ``_lock`` (it deadlocked so). When the lock is busy the closed manager is
+    left in the set, where every poll skips it and the thread drops it."""
+    if not _lock.acquire(blocking=False):
+        return
+    try:
         _managers.discard(manager)
         if not _managers:
             _wake.set()
+    finally:
+        _lock.release()
 
 
 def watched() -> int:
-    """How many managers are looked after now (tests, ``gpumem info``)."""
+    """How many open managers are looked after now (tests, ``gpumem info``)."""
     with _lock:
-        return len(_managers)
+        refs = _managers.data.copy()
+    return sum(1 for ref in refs if (m := ref()) is not None and not m.closed)
 
 
 def poll(manager: Any) -> int:
@@ -112,17 +120,26 @@ def _run() -> None:
         _wake.wait(POLL_PERIOD)
         _wake.clear()
         with _lock:
-            managers = list(_managers)
-            if not managers:
+            # weak references only: a strong one dropped under the lock could finalize a
+            # manager here, whose close() needs the lock (set.copy runs no Python code)
+            refs = _managers.data.copy()
+            if not refs:
                 if _thread is threading.current_thread():
                     _thread = None
                 return
-        for manager in managers:
-            try:
-                poll(manager)
-            except Exception as exc:  # a failing driver must not end the thread for the others
-                log.debug("gpumem: neighbour poll of %r failed: %s", manager, exc)
-        del managers, manager            # hold no manager between polls
+        for ref in refs:
+            manager = ref()
+            if manager is None:
+                continue
+            if manager.closed:                # its unwatch found the lock busy
+                with _lock:
+                    _managers.discard(manager)
+            else:
+                try:
+                    poll(manager)
+                except Exception as exc:  # a failing driver must not end the thread for others
+                    log.debug("gpumem: neighbour poll of %r failed: %s", manager, exc)
+            del manager                   # hold no manager between polls (dropped unlocked)
 
 
 def _after_fork_in_child() -> None:

@@ -125,3 +125,28 @@ def test_monitor_holds_no_manager_and_stops_with_the_last():
     if before == 0:
         assert _wait_until(lambda: neighbour._thread is None
                            or not neighbour._thread.is_alive())
+
+
+def test_close_under_the_registry_lock_never_blocks():
+    """close() (from ``__del__`` too) can run in a thread that holds the monitor's registry lock:
+    the cyclic GC finalizes a manager wherever an allocation triggers it, and the suite once
+    deadlocked so (the monitor thread finalized a manager while copying its set). unwatch then
+    returns at once, the closed manager is no longer counted, and the thread drops it (real)."""
+    import threading
+    before = neighbour.watched()
+    mm, _ = _caching(10 * MiB)
+    assert neighbour.watched() == before + 1
+    done = threading.Event()
+
+    def close_holding_the_lock():
+        with neighbour._lock:              # as the monitor thread holds it
+            mm.close()
+        done.set()
+
+    threading.Thread(target=close_holding_the_lock, daemon=True).start()
+    assert done.wait(DEADLINE), "close() blocked on the monitor's registry lock"
+    assert neighbour.watched() == before
+    ref = weakref.ref(mm)
+    del mm
+    gc.collect()
+    assert _wait_until(lambda: ref() is None)      # the registry keeps no closed manager alive
