@@ -187,8 +187,12 @@ def run_alone(code: str, folder: Path) -> subprocess.CompletedProcess:
     work = folder / "work"
     (work / "gpumem").mkdir(parents=True, exist_ok=True)
     data = work / "gpumem" / "data"
-    if not data.exists():
-        data.symlink_to(ROOT / "gpumem" / "data")
+    if not data.is_symlink():
+        # the gpumem under test's data: the checkout's, or the installed wheel's (ci/package.sh
+        # runs the suite outside any checkout, where ROOT has no gpumem/data)
+        spec = importlib.util.find_spec("gpumem")
+        assert spec is not None and spec.origin is not None
+        data.symlink_to(Path(spec.origin).parent / "data")
     script = folder / "example.py"
     script.write_text(code)
     return subprocess.run([sys.executable, str(script)], cwd=work, env=pasted_env(),
